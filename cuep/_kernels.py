@@ -1,0 +1,118 @@
+"""Compile and cache the CUDA C++ in ``cuep/cuda_src`` with ``cupy.RawModule``.
+
+One module per ``.cu`` file, compiled once per (file, device) and kept for the life of the process.
+CuPy's disk cache keys on the source string and options only, not on headers reached through ``-I``; the
+options therefore carry a hash of the whole ``cuda_src`` tree (``-DCUEP_SRC_HASH=...``), so editing a header
+recompiles every module. CuPy adds ``-arch=sm_XX`` of the device, ``--std=c++17`` and ``-ftz=true`` itself;
+:func:`nvcc_command` spells out the same compile for a machine without a GPU (the CPU compile test).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+log = logging.getLogger("cuep")
+
+SRC_DIR = Path(__file__).resolve().parent / "cuda_src"
+
+#: Flags CuPy's RawModule adds to every compile itself (we must not pass -arch: NVRTC rejects a second one).
+CUPY_IMPLICIT_OPTIONS = ("--std=c++17", "-ftz=true")
+
+
+@functools.lru_cache(maxsize=1)
+def source_hash() -> str:
+    """SHA-256 (first 16 hex digits) of every file under ``cuda_src``, names included."""
+    h = hashlib.sha256()
+    for p in sorted(SRC_DIR.rglob("*")):
+        if p.is_file() and p.suffix in (".cu", ".cuh", ".h"):
+            h.update(p.relative_to(SRC_DIR).as_posix().encode())
+            h.update(b"\0")
+            h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def compile_options() -> tuple[str, ...]:
+    """The options cuep passes to ``cupy.RawModule`` (CuPy adds :data:`CUPY_IMPLICIT_OPTIONS` and -arch)."""
+    return ("--std=c++17", f"-I{SRC_DIR}", f"-DCUEP_SRC_HASH=0x{source_hash()}ULL")
+
+
+def kernel_files() -> list[str]:
+    """Every compilable kernel file (``*.cu``) in ``cuda_src``."""
+    return sorted(p.name for p in SRC_DIR.glob("*.cu"))
+
+
+def nvcc_command(filename: str, arch: str = "sm_90", out: str = "/dev/null") -> list[str]:
+    """The nvcc command that compiles ``filename`` like the runtime does, warnings as errors."""
+    opts = list(compile_options())
+    for o in CUPY_IMPLICIT_OPTIONS:
+        if o not in opts:
+            opts.append(o)
+    return ["nvcc", "-cubin", f"-arch={arch}", *opts, "-Werror", "all-warnings", "-o", out,
+            str(SRC_DIR / filename)]
+
+
+_lock = threading.Lock()
+_modules: dict[tuple[str, int], object] = {}
+_functions: dict[tuple[str, int, str], object] = {}
+
+
+def module(filename: str, name_expressions: tuple[str, ...] = ()):
+    """The ``cupy.RawModule`` of ``cuda_src/<filename>`` for the current device, compiled on first use.
+
+    ``name_expressions`` lists template instantiations to compile (``"kernel<int, 4>"``); pass the same tuple on
+    every call for one file (the first call's list is the one compiled).
+    """
+    import cupy
+
+    dev = cupy.cuda.Device().id
+    key = (filename, dev)
+    mod = _modules.get(key)
+    if mod is not None:
+        return mod
+    with _lock:
+        mod = _modules.get(key)
+        if mod is None:
+            path = SRC_DIR / filename
+            if not path.is_file():
+                raise FileNotFoundError(f"no kernel file {filename!r} in {SRC_DIR}")
+            code = path.read_text()
+            t0 = time.perf_counter()
+            log.info("cuep: compiling %s for device %d ...", filename, dev)
+            mod = cupy.RawModule(code=code, options=compile_options(),
+                                 name_expressions=list(name_expressions) or None)
+            mod.compile()
+            log.info("cuep: %s ready on device %d in %.1f s (cached on disk for next time)",
+                     filename, dev, time.perf_counter() - t0)
+            _modules[key] = mod
+    return mod
+
+
+def function(filename: str, name: str, name_expressions: tuple[str, ...] = ()):
+    """A kernel of :func:`module` by name (cached: ``get_function`` builds a new object each call)."""
+    import cupy
+
+    dev = cupy.cuda.Device().id
+    key = (filename, dev, name)
+    fn = _functions.get(key)
+    if fn is None:
+        fn = module(filename, name_expressions).get_function(name)
+        _functions[key] = fn
+    return fn
+
+
+def enable_compile_log() -> None:
+    """Print cuep's one-line compile messages to stderr (the default; ``CUEP_LOG=0`` turns them off)."""
+    if not log.handlers:
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(h)
+    log.setLevel(logging.INFO)
+
+
+if os.environ.get("CUEP_LOG", "1") != "0":  # CUEP_LOG=0 silences the first-compile lines
+    enable_compile_log()

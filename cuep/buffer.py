@@ -1,0 +1,262 @@
+"""``cuep.Buffer``: the init step. Symmetric memory on every rank, peer pointer tables, counters, outputs.
+
+One allocation per rank (a direct ``cudaMalloc`` through ``cupy.cuda.Memory``, so it can also be shared through
+CUDA IPC), carved into the regions ``EPConfig.buffer_regions`` names; the same offsets on every rank, so a peer's
+region is its base address plus the offset. A small int64 parameter block per rank (sizes, offsets, the peer
+base table) is what every kernel reads; ``PARAM_FIELDS`` lists it in the order of ``enum Param`` in ``ep.cuh``.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import EPConfig
+from .group import Group
+
+log = logging.getLogger("cuep")
+
+PARAM_FIELDS = [
+    "rank", "n_ranks", "n_src", "src_index", "n_local", "n_experts", "top_k", "hidden", "max_tokens",
+    "payload_bytes", "scale_bytes", "row_align", "n_scales", "k_tiles", "n_groups", "shared", "skip_a2a",
+    "capacity", "meta_bytes", "meta_ids", "meta_w", "meta_rows", "meta_scales", "combine_itemsize",
+    "off_tokens", "off_comb_recv", "off_meta", "off_tally", "off_hist_flag", "off_disp_count", "off_comb_ready",
+    "off_comb_count", "off_counters", "timeout_ns", "err_ptr",
+] + [f"peer_base{i}" for i in range(8)]
+
+MAX_TOP_K = 64
+EMPTY = np.uint64(0xFFFFFFFFFFFFFFFF)
+ERROR_STATUS = {1: "timed out waiting", 2: "expert id out of range", 3: "same expert twice in one token's top-k"}
+KERNEL_NAMES = {1: "dispatch (send)", 2: "dispatch (receive)", 3: "combine (send)", 4: "combine (receive)"}
+
+
+class EPError(RuntimeError):
+    """A device-side failure of a dispatch/combine round (timeout or bad routing input)."""
+
+
+@dataclass
+class _Rank:
+    """Everything one rank owns on its device."""
+
+    rank: int
+    device: int
+    mem: object                 # cupy.cuda.Memory: the symmetric allocation
+    params: object              # cupy int64 [len(PARAM_FIELDS)]
+    err_host: np.ndarray        # int32 [4] view of host-mapped memory: status, kernel, expert, src
+    err_host_ptr: int
+    # dispatch outputs (persistent, reused every round)
+    tokens: object
+    scales: object
+    row_offsets: object
+    expert_ids: object
+    scales_offsets: object
+    src_info: object
+    row_src: object
+    row_weight: object
+    msg_rows: object
+    msg_token: object
+    msg_j: object
+    msg_count: object
+    # combine outputs (persistent)
+    combined: object = None
+    combined_unreduced: object = None
+
+    @property
+    def base(self) -> int:
+        return int(self.mem.ptr)
+
+
+def _host_mapped_int32(n: int) -> tuple[int, int, np.ndarray]:
+    """Pinned, device-mapped host memory: (host ptr, device ptr, numpy view). The host reads it without a sync."""
+    import cupy
+
+    rt = cupy.cuda.runtime
+    ptr = rt.hostAlloc(4 * n, 2)  # cudaHostAllocMapped
+    dptr = rt.hostGetDevicePointer(ptr, 0)
+    arr = np.ctypeslib.as_array((ctypes.c_int32 * n).from_address(ptr))
+    arr[:] = 0
+    return ptr, dptr, arr
+
+
+class Buffer:
+    """Symmetric communication memory and persistent outputs for one EP group (the ``ep_init`` step).
+
+    Args:
+        group: from :func:`cuep.init` (one process, all GPUs).
+        cfg: the group's sizes; ``cfg.n_ranks`` must equal ``group.n_ranks``.
+        timeout_s: how long a device-side wait spins before it gives up and reports which rank it waited for.
+        num_sms: blocks per kernel (one per SM); default all SMs of the device.
+
+    The outputs of ``dispatch`` and ``combine`` live here and are reused: a result is valid until the next call
+    of the same kind on this buffer. Memory is reported (log line) before it is allocated.
+    """
+
+    def __init__(self, group: Group, cfg: EPConfig, *, timeout_s: float = 5.0, num_sms: int | None = None):
+        import cupy
+
+        if cfg.n_nodes > 1:
+            raise NotImplementedError(
+                f"n_nodes={cfg.n_nodes}: cuep has only the intranode NVLink transport (peer pointers); a multi-node "
+                f"transport (NVSHMEM / InfiniBand) is not implemented yet. cuep.reference simulates several nodes.")
+        if cfg.n_ranks != group.n_ranks:
+            raise ValueError(f"cfg.n_ranks={cfg.n_ranks} (n_gpus_per_node x n_nodes) must equal the group's "
+                             f"{group.n_ranks} ranks")
+        if cfg.top_k > MAX_TOP_K:
+            raise ValueError(f"top_k={cfg.top_k} exceeds the kernels' limit of {MAX_TOP_K}")
+        if not (timeout_s > 0 and math.isfinite(timeout_s)):
+            raise ValueError(f"timeout_s={timeout_s!r} must be a positive number of seconds")
+        self.group, self.cfg, self.timeout_s = group, cfg, float(timeout_s)
+        dev0 = group.devices[0]
+        sms = cupy.cuda.Device(dev0).attributes["MultiProcessorCount"]
+        self.num_sms = int(num_sms) if num_sms else sms
+        if not 1 <= self.num_sms <= sms:
+            raise ValueError(f"num_sms={num_sms} must be in 1..{sms} (the device's multiprocessors)")
+        gib = 2**30
+        log.info("cuep: allocating %.3f GiB symmetric + %.3f GiB outputs per rank on %d rank(s)",
+                 cfg.buffer_bytes / gib, cfg.output_bytes / gib, group.n_local)
+        self._ranks: list[_Rank] = []
+        self._mapped: list[int] = []
+        for rank, dev in zip(group.ranks, group.devices):
+            with cupy.cuda.Device(dev):
+                self._ranks.append(self._alloc_rank(rank, dev))
+        self._write_params()
+        self.reset()
+
+    # ---- set-up --------------------------------------------------------------------------------------------
+    def _alloc_rank(self, rank: int, dev: int) -> _Rank:
+        import cupy
+        import ml_dtypes
+
+        cfg = self.cfg
+        try:
+            mem = cupy.cuda.Memory(cfg.buffer_bytes)
+        except cupy.cuda.memory.OutOfMemoryError as e:
+            raise MemoryError(f"rank {rank} on GPU {dev}: cannot allocate {cfg.buffer_bytes / 2**30:.2f} GiB of "
+                              f"symmetric memory ({cfg.describe()}); lower max_tokens_per_rank") from e
+        hptr, dptr, err = _host_mapped_int32(4)
+        self._mapped.append(hptr)
+        off, size = cfg.buffer_regions["tokens"]
+        ptr = cupy.cuda.MemoryPointer(mem, off)
+        H = cfg.hidden
+        if cfg.fmt.name == "bf16":
+            tokens = cupy.ndarray((cfg.capacity, H), dtype=ml_dtypes.bfloat16, memptr=ptr)
+        else:
+            tokens = cupy.ndarray((cfg.capacity, cfg.payload_bytes), dtype=cupy.uint8, memptr=ptr)
+        if cfg.fmt.name == "fp8":
+            scales = cupy.zeros(cfg.scales_shape, dtype=cupy.float32)
+        elif cfg.fmt.swizzled_scales:
+            scales = cupy.zeros(cfg.scales_shape, dtype=cupy.uint8)
+        else:
+            scales = None
+        G, S, T, K = cfg.n_groups, cfg.n_source_ranks, cfg.max_tokens_per_rank, cfg.top_k
+        return _Rank(
+            rank=rank, device=dev, mem=mem, params=cupy.zeros(len(PARAM_FIELDS), dtype=cupy.int64),
+            err_host=err, err_host_ptr=dptr, tokens=tokens, scales=scales,
+            row_offsets=cupy.zeros(G + 1, dtype=cupy.uint32), expert_ids=cupy.zeros(G, dtype=cupy.int32),
+            scales_offsets=cupy.zeros(G, dtype=cupy.uint32) if cfg.fmt.swizzled_scales else None,
+            src_info=cupy.full((cfg.capacity, 2), -1, dtype=cupy.int32),
+            row_src=cupy.full(cfg.capacity, -1, dtype=cupy.int32),
+            row_weight=cupy.zeros(cfg.capacity, dtype=cupy.float32),
+            msg_rows=cupy.full(S * T * K, -1, dtype=cupy.int32), msg_token=cupy.zeros(S * T, dtype=cupy.int32),
+            msg_j=cupy.zeros(S * T, dtype=cupy.int32), msg_count=cupy.zeros(S, dtype=cupy.int32))
+
+    def _peer_bases(self) -> list[int]:
+        """Base address of every rank's symmetric allocation, indexed by global rank (the transport seam)."""
+        bases = [0] * 8
+        for r in self._ranks:
+            bases[r.rank] = r.base
+        return bases
+
+    def _write_params(self) -> None:
+        import cupy
+
+        cfg, m = self.cfg, self.cfg.message
+        regions = cfg.buffer_regions
+        bases = self._peer_bases()
+        for r in self._ranks:
+            v = dict(
+                rank=r.rank, n_ranks=cfg.n_ranks, n_src=cfg.n_source_ranks, src_index=0 if cfg.skip_a2a else r.rank,
+                n_local=cfg.n_local_experts, n_experts=cfg.n_experts, top_k=cfg.top_k, hidden=cfg.hidden,
+                max_tokens=cfg.max_tokens_per_rank, payload_bytes=cfg.payload_bytes, scale_bytes=m.scale_bytes,
+                row_align=cfg.fmt.row_align, n_scales=cfg.n_scales, k_tiles=cfg.scale_k_tiles if cfg.n_scales else 0,
+                n_groups=cfg.n_groups, shared=int(cfg.fused_shared_expert), skip_a2a=int(cfg.skip_a2a),
+                capacity=cfg.capacity, meta_bytes=m.meta_bytes, meta_ids=m.topk_ids_offset,
+                meta_w=m.topk_weights_offset, meta_rows=m.topk_rows_offset, meta_scales=m.scales_offset,
+                combine_itemsize=cfg.combine_itemsize, timeout_ns=int(self.timeout_s * 1e9), err_ptr=r.err_host_ptr,
+                **{f"off_{k}": regions[k][0] for k in ("tokens", "comb_recv", "meta", "tally", "hist_flag",
+                                                       "disp_count", "comb_ready", "comb_count", "counters")},
+                **{f"peer_base{i}": bases[i] for i in range(8)})
+            arr = np.array([v[f] for f in PARAM_FIELDS], dtype=np.int64)
+            with cupy.cuda.Device(r.device):
+                r.params.set(arr)
+
+    # ---- state ---------------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Re-arm every rank (counts empty, flags and counters zero, error cleared). Synchronises the devices.
+
+        Call it on every rank after an error, when no round is in flight.
+        """
+        import cupy
+
+        cfg = self.cfg
+        reg = cfg.buffer_regions
+        for r in self._ranks:
+            with cupy.cuda.Device(r.device):
+                cupy.cuda.Device().synchronize()
+                rt = cupy.cuda.runtime
+                for name in ("tally", "hist_flag", "comb_ready", "counters"):
+                    off, size = reg[name]
+                    rt.memset(r.base + off, 0, size)
+                for name in ("disp_count", "comb_count"):
+                    off, size = reg[name]
+                    rt.memset(r.base + off, 0xFF, size)
+                cupy.cuda.Device().synchronize()
+            r.err_host[:] = 0
+
+    def check(self) -> None:
+        """Raise :class:`EPError` if a kernel of any local rank reported a failure (reads host-mapped memory; no
+        synchronisation, so it sees failures of kernels that have already run)."""
+        for r in self._ranks:
+            status, kernel, expert, src = (int(v) for v in r.err_host)
+            if status:
+                what = ERROR_STATUS.get(status, f"error {status}")
+                if status == 1:
+                    detail = (f"rank {r.rank} {KERNEL_NAMES.get(kernel, kernel)} {what} for source/peer rank {src} "
+                              f"(after {self.timeout_s:g} s): a peer did not take part in this round, or died")
+                else:
+                    detail = (f"rank {r.rank} {KERNEL_NAMES.get(kernel, kernel)}: {what} (expert id {expert}, "
+                              f"token {src}); that choice was skipped")
+                raise EPError(f"{detail}. Call buffer.reset() on every rank before the next round.")
+
+    def synchronize(self) -> None:
+        """Wait for every local rank's device, then :meth:`check`."""
+        import cupy
+
+        for r in self._ranks:
+            with cupy.cuda.Device(r.device):
+                cupy.cuda.get_current_stream().synchronize()
+        self.check()
+
+    def close(self) -> None:
+        """Free device and mapped memory (also at garbage collection)."""
+        import cupy
+
+        for p in self._mapped:
+            try:
+                cupy.cuda.runtime.freeHost(p)
+            except Exception:
+                pass
+        self._mapped = []
+        self._ranks = []
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return f"Buffer({self.group!r}, {self.cfg.describe()})"

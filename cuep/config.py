@@ -1,0 +1,209 @@
+"""``EPConfig``: the sizes of one expert-parallel group, validated and derived in one place."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .formats import ALIGN, SCALE_TILE_BYTES, SCALE_TILE_ROWS, Format, MessageLayout, align_up, ceil_div, \
+    check_hidden, get_format
+
+MAX_GPUS_PER_NODE = 8
+COMBINE_DTYPES = {"bfloat16": 2, "float32": 4}
+
+
+def _positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive int")
+
+
+@dataclass(frozen=True)
+class EPConfig:
+    """Sizes and formats of one expert-parallel group; every derived size lives here.
+
+    Args:
+        hidden: H, values per token row.
+        top_k: K, experts per token.
+        n_experts: E, routed experts in the whole group; split evenly and contiguously over the ranks
+            (expert ``e`` lives on rank ``e // n_local_experts`` as local expert ``e % n_local_experts``).
+        max_tokens_per_rank: T, the most tokens any rank dispatches in one round.
+        n_gpus_per_node: GPUs per node taking part (1..8).
+        n_nodes: nodes (only 1 has a transport today; the reference simulates more).
+        dispatch_format: ``"bf16" | "fp8" | "nvfp4" | "mxfp4"``, the wire and output format of dispatch.
+        combine_dtype: ``"bfloat16" | "float32"``, the dtype of expert outputs and of the combined result.
+        fused_shared_expert: dispatch puts this rank's own tokens as group 0 (the shared expert) ahead of the
+            routed experts, and combine adds that group's output with weight 1.
+        skip_a2a: every rank holds the same tokens; dispatch sends only to this rank's experts and combine
+            returns the partial sum over them (for a later all-reduce).
+
+    Raises:
+        ValueError: naming the argument and the rule it breaks.
+    """
+
+    hidden: int
+    top_k: int
+    n_experts: int
+    max_tokens_per_rank: int
+    n_gpus_per_node: int
+    n_nodes: int = 1
+    dispatch_format: str = "bf16"
+    combine_dtype: str = "bfloat16"
+    fused_shared_expert: bool = False
+    skip_a2a: bool = False
+    fmt: Format = field(init=False, repr=False, compare=False)
+    message: MessageLayout = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "top_k", "n_experts", "max_tokens_per_rank", "n_gpus_per_node", "n_nodes"):
+            _positive_int(name, getattr(self, name))
+        if self.n_gpus_per_node > MAX_GPUS_PER_NODE:
+            raise ValueError(f"n_gpus_per_node={self.n_gpus_per_node} exceeds {MAX_GPUS_PER_NODE}, the most GPUs "
+                             f"one node's NVLink domain holds here")
+        fmt = get_format(self.dispatch_format, "dispatch_format")
+        check_hidden(fmt, self.hidden)
+        if self.n_experts % self.n_ranks:
+            raise ValueError(f"n_experts={self.n_experts} must be a multiple of the number of ranks "
+                             f"{self.n_ranks} (n_gpus_per_node x n_nodes) so experts split evenly")
+        if self.top_k > self.n_experts:
+            raise ValueError(f"top_k={self.top_k} must be <= n_experts={self.n_experts}")
+        if self.top_k > 0xFFFF or self.n_experts > 0xFFFF:
+            raise ValueError("top_k and n_experts must fit in uint16 (message expert ids are uint16)")
+        if self.combine_dtype not in COMBINE_DTYPES:
+            raise ValueError(f"combine_dtype={self.combine_dtype!r} must be one of {sorted(COMBINE_DTYPES)}")
+        if self.max_tokens_per_rank >= 2**31 // max(1, self.n_ranks * self.top_k):
+            raise ValueError(f"max_tokens_per_rank={self.max_tokens_per_rank} is too large: rows must fit int32")
+        object.__setattr__(self, "fmt", fmt)
+        object.__setattr__(self, "message", MessageLayout.make(fmt, self.hidden, self.top_k))
+
+    # ---- the group -----------------------------------------------------------------------------------------
+    @property
+    def n_ranks(self) -> int:
+        """R = n_gpus_per_node x n_nodes."""
+        return self.n_gpus_per_node * self.n_nodes
+
+    @property
+    def n_local_experts(self) -> int:
+        """L = E / R routed experts per rank."""
+        return self.n_experts // self.n_ranks
+
+    @property
+    def n_groups(self) -> int:
+        """Expert groups in a dispatch output: L, plus one for the fused shared expert."""
+        return self.n_local_experts + int(self.fused_shared_expert)
+
+    @property
+    def shared_expert_id(self) -> int:
+        """``expert_ids`` value of the fused shared expert group: L (stack its weights after the routed ones)."""
+        return self.n_local_experts
+
+    @property
+    def n_source_ranks(self) -> int:
+        """Ranks whose tokens can reach one rank: all of them, or only itself with ``skip_a2a``."""
+        return 1 if self.skip_a2a else self.n_ranks
+
+    # ---- dispatch outputs ----------------------------------------------------------------------------------
+    @property
+    def row_offsets_len(self) -> int:
+        return self.n_groups + 1
+
+    @property
+    def max_routed_rows(self) -> int:
+        """Most routed rows one rank can receive: sources x T x min(K, L)."""
+        return self.n_source_ranks * self.max_tokens_per_rank * min(self.top_k, self.n_local_experts)
+
+    @property
+    def capacity(self) -> int:
+        """Rows of every dispatch output: routed rows, the shared expert's rows, and per-group padding."""
+        shared = self.max_tokens_per_rank if self.fused_shared_expert else 0
+        return self.max_routed_rows + shared + self.n_groups * (self.fmt.row_align - 1)
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.fmt.payload_bytes(self.hidden)
+
+    @property
+    def n_scales(self) -> int:
+        return self.fmt.n_scales(self.hidden)
+
+    @property
+    def scale_k_tiles(self) -> int:
+        return self.fmt.scale_k_tiles(self.hidden)
+
+    @property
+    def swizzled_scale_tiles(self) -> int:
+        """Row tiles of 128 that the swizzled scales of ``capacity`` rows can need (each group starts a tile)."""
+        return ceil_div(self.capacity, SCALE_TILE_ROWS) + self.n_groups
+
+    @property
+    def scales_shape(self) -> tuple[int, ...]:
+        """Shape of the dispatch ``scales`` output: fp8 float32 [H/128, capacity]; fp4 uint8 [bytes]; bf16 ()."""
+        if self.fmt.name == "fp8":
+            return (self.n_scales, self.capacity)
+        if self.fmt.swizzled_scales:
+            return (self.swizzled_scale_tiles * self.scale_k_tiles * SCALE_TILE_BYTES,)
+        return (0,)
+
+    @property
+    def combine_itemsize(self) -> int:
+        return COMBINE_DTYPES[self.combine_dtype]
+
+    # ---- symmetric buffers (per rank) ----------------------------------------------------------------------
+    @property
+    def n_counters(self) -> int:
+        """int32 counters private to a rank: slots per destination rank (8), round and completion counters (24),
+        per-expert histogram and slot counters (2 x E)."""
+        return 32 + 2 * self.n_experts
+
+    @property
+    def buffer_regions(self) -> dict[str, tuple[int, int]]:
+        """Byte (offset, size) of every region of one rank's symmetric allocation, identical on every rank.
+
+        Peers write: ``tokens`` (the dispatch output rows, [capacity, payload]), ``meta`` ([sources, T,
+        meta_bytes]), ``tally`` (int32 [2 parities, sources, E + 1]: each source's expert histogram and token
+        count), ``hist_flag`` (uint64 [2, sources]: round + 1 once that tally row is complete), ``disp_count``
+        (uint64 [sources], messages sent, UINT64_MAX until they all landed), ``comb_recv`` ([T, K, H] in the
+        combine dtype), ``comb_ready`` (uint64 [R]: round + 1 once that rank may receive combine data),
+        ``comb_count`` (uint64 [R]). ``counters`` (int32) are private to the rank.
+        There is no send buffer: a token is encoded once, in shared memory, and stored straight into each
+        destination over NVLink.
+        """
+        S, E, T = self.n_source_ranks, self.n_experts, self.max_tokens_per_rank
+        sizes = [("tokens", self.capacity * self.payload_bytes),
+                 ("comb_recv", T * self.top_k * self.hidden * self.combine_itemsize),
+                 ("meta", S * T * self.message.meta_bytes),
+                 ("tally", 4 * 2 * S * (E + 1)), ("hist_flag", 8 * 2 * S), ("disp_count", 8 * S),
+                 ("comb_ready", 8 * self.n_ranks), ("comb_count", 8 * self.n_ranks),
+                 ("counters", 4 * self.n_counters)]
+        out, off = {}, 0
+        for name, size in sizes:
+            out[name] = (off, size)
+            off = align_up(off + size, 256)
+        return out
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Symmetric memory per rank (what ``cuep.Buffer`` allocates on each GPU), dispatch ``tokens`` included."""
+        off, size = list(self.buffer_regions.values())[-1]
+        return align_up(off + size, 256)
+
+    @property
+    def handle_bytes(self) -> int:
+        """Per-round bookkeeping combine reads back (row -> source, weight; message -> rows, token, slot)."""
+        msgs = self.n_source_ranks * self.max_tokens_per_rank
+        return self.capacity * 8 + msgs * (4 * self.top_k + 8)
+
+    @property
+    def output_bytes(self) -> int:
+        """Dispatch outputs outside the symmetric buffer (scales, src_info, bookkeeping), allocated once."""
+        scales = 4 * self.n_scales * self.capacity if self.fmt.name == "fp8" else int(self.scales_shape[0])
+        return self.capacity * 8 + scales + self.handle_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.buffer_bytes + self.output_bytes
+
+    def describe(self) -> str:
+        """One paragraph of the derived sizes, for logs and notebooks."""
+        gib = 1 / 2**30
+        return (f"EP group: {self.n_ranks} ranks x {self.n_local_experts} local experts (E={self.n_experts}, "
+                f"K={self.top_k}), H={self.hidden}, T={self.max_tokens_per_rank}, format {self.fmt.name}, "
+                f"combine {self.combine_dtype}; message {self.message.nbytes} B; capacity {self.capacity} rows; "
+                f"per rank: buffers {self.buffer_bytes * gib:.3f} GiB + outputs {self.output_bytes * gib:.3f} GiB")

@@ -1,0 +1,140 @@
+// cuep common device helpers: constants, 16-byte vector copies, memory-order primitives, block prefix sum,
+// completion signal and bounded spin-waits. One helper per idea; every kernel file includes this.
+#pragma once
+#include <cstdint>
+
+#ifndef CUEP_SRC_HASH
+#define CUEP_SRC_HASH 0ULL
+#endif
+
+namespace cuep {
+
+// ---- constants (mirrored in cuep/formats.py; a CPU test checks they agree) ------------------------------
+constexpr int kAlign = 16;                    // device alignment: every message part, every region
+constexpr int kWarp = 32;
+constexpr uint64_t kEmpty = ~0ull;            // a recv_count slot nobody has written this round
+constexpr int kStatusOk = 0;
+constexpr int kStatusTimeout = 1;
+
+__host__ __device__ constexpr int64_t align_up(int64_t n, int64_t a = kAlign) { return (n + a - 1) / a * a; }
+__host__ __device__ constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// ---- 16-byte vector copies ----------------------------------------------------------------------------
+// Block-wide copy of `nbytes` (a multiple of 16, both pointers 16-byte aligned) with 16-byte loads and stores,
+// `kUnroll` independent loads in flight per thread before the first store.
+template <int kUnroll = 4>
+__device__ __forceinline__ void block_copy16(void* __restrict__ dst, const void* __restrict__ src, int64_t nbytes,
+                                             int tid, int nthreads) {
+    const int4* s = reinterpret_cast<const int4*>(src);
+    int4* d = reinterpret_cast<int4*>(dst);
+    const int64_t n = nbytes / 16;
+    int64_t i = tid;
+    for (; i + (kUnroll - 1) * nthreads < n; i += kUnroll * nthreads) {
+        int4 v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) v[u] = s[i + u * nthreads];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) d[i + u * nthreads] = v[u];
+    }
+    for (; i < n; i += nthreads) d[i] = s[i];
+}
+
+// Warp-wide version of block_copy16 (lane = threadIdx.x % 32).
+__device__ __forceinline__ void warp_copy16(void* __restrict__ dst, const void* __restrict__ src, int64_t nbytes,
+                                            int lane) {
+    block_copy16<4>(dst, src, nbytes, lane, kWarp);
+}
+
+// ---- memory order (system scope: peers write our memory over NVLink) ------------------------------------
+__device__ __forceinline__ uint64_t load_acquire_u64(const uint64_t* p) {
+    uint64_t v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void store_release_u64(uint64_t* p, uint64_t v) {
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void store_relaxed_u64(uint64_t* p, uint64_t v) {
+    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ int load_acquire_i32(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ int load_acquire_sys_i32(const int* p) {
+    int v;
+    asm volatile("ld.acquire.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void store_release_sys_i32(int* p, int v) {
+    asm volatile("st.release.sys.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void fence_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+
+// ---- completion signal ---------------------------------------------------------------------------------
+// Publish `count` at `slot` (a peer's recv_count). All but the last signal bound for one rank may be plain
+// relaxed stores; the last one is a release store, which orders every earlier write of this thread (and, after
+// a __syncthreads, of its block) before it becomes visible.
+__device__ __forceinline__ void signal_completion(uint64_t* slot, uint64_t count, bool last_for_rank) {
+    if (last_for_rank)
+        store_release_u64(slot, count);
+    else
+        store_relaxed_u64(slot, count);
+}
+
+// ---- block-wide inclusive prefix sum -------------------------------------------------------------------
+// Inclusive scan of one int per thread over the whole block (blockDim.x a multiple of 32, at most 1024).
+// `scratch` holds 32 ints of shared memory. Returns this thread's inclusive sum; `*total` gets the block sum.
+__device__ __forceinline__ int block_inclusive_scan(int v, int* scratch, int* total) {
+    const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, nwarps = blockDim.x / kWarp;
+#pragma unroll
+    for (int o = 1; o < kWarp; o <<= 1) {
+        int n = __shfl_up_sync(0xffffffffu, v, o);
+        if (lane >= o) v += n;
+    }
+    __syncthreads();  // scratch may still be read by a previous call
+    if (lane == kWarp - 1) scratch[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        int w = lane < nwarps ? scratch[lane] : 0;
+#pragma unroll
+        for (int o = 1; o < kWarp; o <<= 1) {
+            int n = __shfl_up_sync(0xffffffffu, w, o);
+            if (lane >= o) w += n;
+        }
+        scratch[lane] = w;
+    }
+    __syncthreads();
+    if (total) *total = scratch[nwarps - 1];
+    return v + (warp > 0 ? scratch[warp - 1] : 0);
+}
+
+// ---- bounded spin --------------------------------------------------------------------------------------
+// Every wait on the device is bounded: after `timeout_ns` of %globaltimer it gives up and returns false.
+__device__ __forceinline__ uint64_t global_timer_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// Spin until *p != kEmpty (acquire). Returns the value, or kEmpty after the timeout.
+__device__ __forceinline__ uint64_t wait_not_empty_u64(const uint64_t* p, uint64_t timeout_ns) {
+    const uint64_t t0 = global_timer_ns();
+    uint64_t v;
+    while ((v = load_acquire_u64(p)) == kEmpty) {
+        if (global_timer_ns() - t0 > timeout_ns) return kEmpty;
+        __nanosleep(32);
+    }
+    return v;
+}
+
+// Error record the host reads after a failed wait or bad input: [status, kernel id, expert, source rank].
+struct ErrorRecord {
+    int status;
+    int kernel;
+    int expert;
+    int src_rank;
+};
+
+}  // namespace cuep

@@ -1,0 +1,486 @@
+// cuep dispatch: every token goes once to each rank holding one of its top-k experts, stored straight into that
+// rank's expert-major output (the row of the first local expert it chose there), with a small metadata record;
+// the receiver copies it to the rows of its other local experts and builds row_offsets, src_info and the scales.
+//
+// One kernel, three phases (bits of `phases`), so the fused call, the async/wait halves and ranks simulated on
+// one GPU share a single code path:
+//   notify  count this round's tokens per expert and publish the histogram to every destination (the histograms
+//           are also the readiness handshake: a rank publishes only once its previous round is fully consumed)
+//   send    wait for every rank's histogram, derive every destination's row layout, then encode each token once
+//           (shared memory) and store it to each destination rank; the last block publishes the message counts
+//   recv    wait for every source's count, lay out row_offsets / expert_ids / scales_offsets, place metadata,
+//           scales and the extra expert copies, zero the padding; the last block re-arms the counts
+#include "ep.cuh"
+#include "formats.cuh"
+
+using namespace cuep;
+
+constexpr int kDispatchThreads = 512;
+
+namespace {
+
+struct DispatchArgs {
+    const void* x;              // [N, H] bf16 or float32
+    const int* topk_ids;        // [N, K]
+    const float* topk_weights;  // [N, K] or nullptr
+    int num_tokens;
+    float global_scale;
+    // outputs (local)
+    void* scales_out;           // fp8: float32 [n_scales, capacity]; fp4: swizzled bytes; bf16: unused
+    unsigned* row_offsets;      // [G + 1]
+    int* expert_ids;            // [G]
+    unsigned* scales_offsets;   // [G] (fp4 formats)
+    int* src_info;              // [capacity, 2]
+    int* row_src;               // [capacity] source rank of each row, -1 for padding
+    float* row_weight;          // [capacity]
+    int* msg_rows;              // [n_src, T, K]
+    int* msg_token;             // [n_src, T]
+    int* msg_j;                 // [n_src, T] my position among the token's destination ranks
+    int* msg_count;             // [n_src]
+};
+
+// Encode one token row into shared memory with the whole block: payload bytes and per-row (message) scales.
+// Each warp takes 256-value spans of the row in turn (formats.cuh's warp quantizer).
+template <int FMT, typename T>
+__device__ __forceinline__ void encode_row_block(const T* x_row, int hidden, uint8_t* payload, uint8_t* scales,
+                                                 float global_scale) {
+    const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, n_warps = blockDim.x / kWarp;
+    if constexpr (FMT == kFmtBf16) {
+        const RowSource<T, false> src{x_row};
+        for (int col0 = warp * kWarpSpan; col0 < hidden; col0 += n_warps * kWarpSpan)
+            warp_quantize_span<FMT, 1>(src, col0, hidden, payload, NoScales{}, global_scale, lane);
+    } else {
+        const RowSource<T, true> src{x_row};
+        using S = typename FormatTraits<FMT>::Scale;
+        const RowScales<S> sink{reinterpret_cast<S*>(scales)};
+        for (int col0 = warp * kWarpSpan; col0 < hidden; col0 += n_warps * kWarpSpan)
+            warp_quantize_span<FMT, 1>(src, col0, hidden, payload, sink, global_scale, lane);
+    }
+}
+
+// Scale row of local row `row` of group g in the 128x4 tiled layout.
+__device__ __forceinline__ long long swizzle_row(const unsigned* s_tile_start, const unsigned* s_row_offsets, int g,
+                                                 long long row) {
+    return static_cast<long long>(s_tile_start[g]) * kScaleTileRows + (row - s_row_offsets[g]);
+}
+
+// Write one row's scales (plain per-row bytes `src`) into the dispatch output layout; pad columns of swizzled
+// tiles are written as zero. Called by the whole block.
+template <int FMT>
+__device__ void place_row_scales(const EP& ep, const DispatchArgs& a, long long row, long long scale_row,
+                                 const uint8_t* src) {
+    const int n_scales = static_cast<int>(ep[P_N_SCALES]);
+    if constexpr (FMT == kFmtFp8) {
+        float* out = static_cast<float*>(a.scales_out);
+        const float* s = reinterpret_cast<const float*>(src);
+        for (int b = threadIdx.x; b < n_scales; b += blockDim.x) out[static_cast<long long>(b) * ep[P_CAPACITY] + row] = s[b];
+    } else if constexpr (FMT == kFmtNvfp4 || FMT == kFmtMxfp4) {
+        uint8_t* out = static_cast<uint8_t*>(a.scales_out);
+        const int k_tiles = static_cast<int>(ep[P_K_TILES]);
+        for (int c = threadIdx.x; c < k_tiles * kScaleTileCols; c += blockDim.x)
+            out[swizzled_scale_offset(scale_row, c, k_tiles)] = c < n_scales ? src[c] : 0;
+    }
+}
+
+// Copy the tallies of parity `par` from this rank's buffer into shared memory (after the flags were acquired).
+__device__ void load_tallies(const EP& ep, int par, int* s_tally) {
+    const int E1 = static_cast<int>(ep[P_N_EXPERTS]) + 1, n_src = static_cast<int>(ep[P_N_SRC]);
+    const int* tally = reinterpret_cast<const int*>(ep.local(ep[P_OFF_TALLY])) + par * n_src * E1;
+    for (int i = threadIdx.x; i < n_src * E1; i += blockDim.x) s_tally[i] = tally[i];
+    __syncthreads();
+}
+
+// Rows of local expert group (rank r, local expert l) and the shared group of rank r, padded to the row alignment.
+__device__ __forceinline__ int padded(long long n, const EP& ep) {
+    const long long a = ep[P_ROW_ALIGN];
+    return static_cast<int>((n + a - 1) / a * a);
+}
+__device__ __forceinline__ int shared_rows(const EP& ep, const int* s_tally, int r) {
+    // The token count of rank r is the last column of its tally row (with skip_a2a, the only row is mine).
+    if (!ep[P_SHARED]) return 0;
+    const int E1 = static_cast<int>(ep[P_N_EXPERTS]) + 1;
+    const int idx = ep[P_SKIP_A2A] ? 0 : r;
+    return padded(s_tally[idx * E1 + E1 - 1], ep);
+}
+
+// Rows of one destination rank r, in expert order: for each local expert (thread-strided), its padded group size,
+// scanned. `emit(e, group_start)` receives each expert's first row at rank r (shared-expert rows come first).
+template <typename Emit>
+__device__ void scan_rank_groups(const EP& ep, const int* s_tally, int r, int* s_scan, Emit emit) {
+    const int L = static_cast<int>(ep[P_N_LOCAL]), E1 = static_cast<int>(ep[P_N_EXPERTS]) + 1;
+    const int n_src = static_cast<int>(ep[P_N_SRC]);
+    int carry = shared_rows(ep, s_tally, r);
+    for (int l0 = 0; l0 < L; l0 += blockDim.x) {
+        const int l = l0 + threadIdx.x;
+        const int e = r * L + l;
+        int size = 0;
+        if (l < L) {
+            int n = 0;
+            for (int s = 0; s < n_src; ++s) n += s_tally[s * E1 + e];
+            size = padded(n, ep);
+        }
+        int total;
+        const int incl = block_inclusive_scan(size, s_scan, &total);
+        if (l < L) emit(e, l, carry + incl - size, size);
+        carry += total;
+    }
+    __syncthreads();
+}
+
+// Sum of tallies of sources before `me` for expert e: where my block of rows starts inside e's group.
+__device__ __forceinline__ int rows_before_me(const EP& ep, const int* s_tally, int e) {
+    const int E1 = static_cast<int>(ep[P_N_EXPERTS]) + 1, me = static_cast<int>(ep[P_SRC_INDEX]);
+    int n = 0;
+    for (int s = 0; s < me; ++s) n += s_tally[s * E1 + e];
+    return n;
+}
+
+// ---- phases ---------------------------------------------------------------------------------------------------
+
+// notify: histogram of this call's valid choices, published to every destination with the round's flag.
+__device__ void phase_notify(const EP& ep, const DispatchArgs& a, int round, int* s_flag) {
+    const int E = static_cast<int>(ep[P_N_EXPERTS]), K = static_cast<int>(ep[P_TOP_K]);
+    const int L = static_cast<int>(ep[P_N_LOCAL]);
+    int* ctr = ep.counters();
+    int* hist = ctr + C_HIST;
+    const long long n_choices = static_cast<long long>(a.num_tokens) * K;
+    for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n_choices;
+         i += static_cast<long long>(gridDim.x) * blockDim.x) {
+        const int t = static_cast<int>(i / K), k = static_cast<int>(i % K);
+        const int* ids = a.topk_ids + static_cast<long long>(t) * K;
+        const int e = ids[k];
+        if (e < 0 || e >= E) {
+            report_error(ep, kStatusBadExpertId, K_DISPATCH_SEND, e, t);
+            continue;
+        }
+        if (!valid_choice(ep, ids, k)) {
+            if (!(ep[P_SKIP_A2A] && e / L != ep[P_RANK])) report_error(ep, kStatusDuplicateExpert, K_DISPATCH_SEND, e, t);
+            continue;
+        }
+        atomicAdd(hist + e, 1);
+    }
+    if (!last_block_done(ctr + C_DONE_NOTIFY, s_flag)) return;
+    // Last block: publish [hist | num_tokens] to every destination's tally row for me, then the flag.
+    const int par = round & 1, n_src = static_cast<int>(ep[P_N_SRC]), E1 = E + 1;
+    const int me = static_cast<int>(ep[P_SRC_INDEX]);
+    const int n_dest = ep[P_SKIP_A2A] ? 1 : static_cast<int>(ep[P_N_RANKS]);
+    for (int d = 0; d < n_dest; ++d) {
+        const int r = ep[P_SKIP_A2A] ? static_cast<int>(ep[P_RANK]) : d;
+        int* dst = reinterpret_cast<int*>(ep.peer(r, ep[P_OFF_TALLY])) + (par * n_src + me) * E1;
+        for (int e = threadIdx.x; e < E1; e += blockDim.x) dst[e] = e < E ? hist[e] : a.num_tokens;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += blockDim.x) hist[e] = 0;
+    if (threadIdx.x == 0) ctr[C_DONE_NOTIFY] = 0;
+    __syncthreads();
+    if (threadIdx.x < n_dest) {
+        const int r = ep[P_SKIP_A2A] ? static_cast<int>(ep[P_RANK]) : threadIdx.x;
+        fence_sys();
+        uint64_t* flag = reinterpret_cast<uint64_t*>(ep.peer(r, ep[P_OFF_HIST_FLAG])) + par * n_src + me;
+        store_release_u64(flag, static_cast<uint64_t>(round) + 1);
+    }
+}
+
+// send: every rank's layout from the histograms, then each token once to each destination rank.
+template <int FMT, typename T>
+__device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char* smem, int* s_flag) {
+    const int E = static_cast<int>(ep[P_N_EXPERTS]), K = static_cast<int>(ep[P_TOP_K]);
+    const int L = static_cast<int>(ep[P_N_LOCAL]), H = static_cast<int>(ep[P_HIDDEN]);
+    const int R = static_cast<int>(ep[P_N_RANKS]), rank = static_cast<int>(ep[P_RANK]);
+    const int n_src = static_cast<int>(ep[P_N_SRC]), me = static_cast<int>(ep[P_SRC_INDEX]);
+    const int par = round & 1;
+    int* ctr = ep.counters();
+    int* slot_ctr = ctr + C_HIST + E;
+
+    __shared__ int s_ok;
+    __shared__ int s_scan[32];
+    __shared__ int s_rows[64], s_rank_of[64];
+    __shared__ float s_w[64];
+    __shared__ int s_first[kMaxRanks], s_slot[kMaxRanks];
+
+    // 1. Every source's histogram of this round (also: every destination is ready for it).
+    const uint64_t* flags = reinterpret_cast<const uint64_t*>(ep.local(ep[P_OFF_HIST_FLAG])) + par * n_src;
+    if (!block_wait_flags_eq(flags, n_src, static_cast<uint64_t>(round) + 1, ep, K_DISPATCH_SEND, &s_ok)) return;
+    int* s_tally = reinterpret_cast<int*>(smem);
+    int* s_base = s_tally + n_src * (E + 1);
+    uint8_t* s_msg = reinterpret_cast<uint8_t*>(s_base + align_up(E, 4));
+    load_tallies(ep, par, s_tally);
+    const int n_dest = ep[P_SKIP_A2A] ? 1 : R;
+    for (int d = 0; d < n_dest; ++d) {
+        const int r = ep[P_SKIP_A2A] ? rank : d;
+        scan_rank_groups(ep, s_tally, r, s_scan, [&](int e, int, int start, int) {
+            s_base[e] = start + rows_before_me(ep, s_tally, e);
+        });
+    }
+
+    // 2. Tokens, one per block at a time.
+    const long long pb = ep[P_PAYLOAD_BYTES];
+    const int sb = static_cast<int>(ep[P_SCALE_BYTES]);
+    uint8_t* s_payload = s_msg;
+    uint8_t* s_scales = s_msg + align_up(pb);
+    const long long T_max = ep[P_MAX_TOKENS];
+    for (int t = blockIdx.x; t < a.num_tokens; t += gridDim.x) {
+        const int* ids = a.topk_ids + static_cast<long long>(t) * K;
+        if (threadIdx.x < K) {
+            const int k = threadIdx.x;
+            int row = -1, r = -1;
+            if (valid_choice(ep, ids, k)) {
+                const int e = ids[k];
+                r = e / L;
+                row = s_base[e] + atomicAdd(slot_ctr + e, 1);
+            }
+            s_rows[k] = row;
+            s_rank_of[k] = r;
+            s_w[k] = a.topk_weights ? a.topk_weights[static_cast<long long>(t) * K + k] : 0.f;
+        }
+        __syncthreads();
+        if (threadIdx.x < R) {
+            int first = -1;
+            for (int k = 0; k < K; ++k)
+                if (s_rank_of[k] == static_cast<int>(threadIdx.x)) { first = k; break; }
+            s_first[threadIdx.x] = first;
+            s_slot[threadIdx.x] = first >= 0 ? atomicAdd(ctr + C_RANK_SLOT + threadIdx.x, 1) : -1;
+        }
+        // Encode once: quantized formats into shared memory; bf16 goes straight from x.
+        const T* x_row = static_cast<const T*>(a.x) + static_cast<long long>(t) * H;
+        const uint8_t* payload;
+        if constexpr (FMT == kFmtBf16 && sizeof(T) == 2) {
+            payload = reinterpret_cast<const uint8_t*>(x_row);
+        } else {
+            encode_row_block<FMT, T>(x_row, H, s_payload, s_scales, a.global_scale);
+            payload = s_payload;
+        }
+        __syncthreads();
+        for (int r = 0; r < R; ++r) {
+            const int first = s_first[r];
+            if (first < 0) continue;
+            char* dst = ep.peer(r, ep[P_OFF_TOKENS]) + s_rows[first] * pb;
+            block_copy16(dst, payload, pb, threadIdx.x, blockDim.x);
+            char* meta = ep.peer(r, ep[P_OFF_META]) + (me * T_max + s_slot[r]) * ep[P_META_BYTES];
+            if (threadIdx.x == 0) *reinterpret_cast<int*>(meta) = t;
+            if (threadIdx.x < K) {
+                const int k = threadIdx.x;
+                reinterpret_cast<uint16_t*>(meta + ep[P_META_IDS])[k] = static_cast<uint16_t>(ids[k]);
+                reinterpret_cast<float*>(meta + ep[P_META_W])[k] = s_w[k];
+                reinterpret_cast<int*>(meta + ep[P_META_ROWS])[k] = s_rank_of[k] == r ? s_rows[k] : -1;
+            }
+            if (sb) block_copy16(meta + ep[P_META_SCALES], s_scales, align_up(sb), threadIdx.x, blockDim.x);
+        }
+        if (ep[P_SHARED]) {
+            // My own token is row t of my shared-expert group 0 (its scales too).
+            const long long row = t;
+            block_copy16(ep.local(ep[P_OFF_TOKENS]) + row * pb, payload, pb, threadIdx.x, blockDim.x);
+            if (sb) place_row_scales<FMT>(ep, a, row, row, s_scales);
+            if (threadIdx.x == 0) {
+                a.src_info[2 * row] = t;
+                a.src_info[2 * row + 1] = K;
+                a.row_src[row] = rank;
+                a.row_weight[row] = 1.f;
+            }
+        }
+        __syncthreads();
+    }
+
+    // 3. Last block: publish how many messages each destination got from me; re-arm the counters.
+    if (!last_block_done(ctr + C_DONE_SEND, s_flag)) return;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) slot_ctr[e] = 0;
+    if (threadIdx.x < n_dest) {
+        const int r = ep[P_SKIP_A2A] ? rank : threadIdx.x;
+        const int count = ctr[C_RANK_SLOT + r];
+        ctr[C_RANK_SLOT + r] = 0;
+        fence_sys();
+        uint64_t* slot = reinterpret_cast<uint64_t*>(ep.peer(r, ep[P_OFF_DISP_COUNT])) + me;
+        store_release_u64(slot, static_cast<uint64_t>(count));
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        ctr[C_DONE_SEND] = 0;
+        ctr[C_DISP_ROUND] = round + 1;
+    }
+    (void)n_src;
+}
+
+// recv: wait for every source, then lay the round out.
+template <int FMT>
+__device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char* smem, int* s_flag) {
+    const int E = static_cast<int>(ep[P_N_EXPERTS]), K = static_cast<int>(ep[P_TOP_K]);
+    const int L = static_cast<int>(ep[P_N_LOCAL]), rank = static_cast<int>(ep[P_RANK]);
+    const int n_src = static_cast<int>(ep[P_N_SRC]), G = static_cast<int>(ep[P_N_GROUPS]);
+    const int sh = static_cast<int>(ep[P_SHARED]);
+    const int par = round & 1;
+    const long long pb = ep[P_PAYLOAD_BYTES], T_max = ep[P_MAX_TOKENS];
+    int* ctr = ep.counters();
+
+    __shared__ int s_ok;
+    __shared__ int s_scan[32];
+    __shared__ uint64_t s_count[kMaxRanks];
+    __shared__ int s_msg_start[kMaxRanks + 1];
+
+    uint64_t* counts = reinterpret_cast<uint64_t*>(ep.local(ep[P_OFF_DISP_COUNT]));
+    if (!block_wait_not_empty(counts, n_src, s_count, ep, K_DISPATCH_RECV, &s_ok)) return;
+    int* s_tally = reinterpret_cast<int*>(smem);
+    unsigned* s_offsets = reinterpret_cast<unsigned*>(s_tally + n_src * (E + 1));
+    unsigned* s_tiles = s_offsets + align_up(G + 1, 4);
+    load_tallies(ep, par, s_tally);
+    if (threadIdx.x == 0) {
+        s_offsets[0] = 0;
+        if (sh) s_offsets[1] = shared_rows(ep, s_tally, rank);
+        s_msg_start[0] = 0;
+        for (int s = 0; s < n_src; ++s) s_msg_start[s + 1] = s_msg_start[s] + static_cast<int>(s_count[s]);
+    }
+    __syncthreads();
+    scan_rank_groups(ep, s_tally, rank, s_scan, [&](int, int l, int start, int size) {
+        s_offsets[sh + l] = start;
+        if (l == L - 1) s_offsets[sh + L] = start + size;
+    });
+    if (threadIdx.x == 0) {  // 128-row scale tiles: each group starts a fresh one
+        unsigned tiles = 0;
+        for (int g = 0; g < G; ++g) {
+            s_tiles[g] = tiles;
+            tiles += (s_offsets[g + 1] - s_offsets[g] + kScaleTileRows - 1) / kScaleTileRows;
+        }
+    }
+    __syncthreads();
+    if (blockIdx.x == 0) {
+        for (int g = threadIdx.x; g <= G; g += blockDim.x) {
+            a.row_offsets[g] = s_offsets[g];
+            if (g < G) {
+                a.expert_ids[g] = sh ? (g == 0 ? L : g - 1) : g;
+                if (a.scales_offsets) a.scales_offsets[g] = s_tiles[g] - s_offsets[g] / kScaleTileRows;
+            }
+        }
+        if (threadIdx.x < n_src) a.msg_count[threadIdx.x] = static_cast<int>(s_count[threadIdx.x]);
+    }
+
+    // Messages: metadata, scales, extra copies for the other local experts the token chose.
+    char* tokens = ep.local(ep[P_OFF_TOKENS]);
+    const int total = s_msg_start[n_src];
+    for (int m = blockIdx.x; m < total; m += gridDim.x) {
+        int s = 0;
+        while (m >= s_msg_start[s + 1]) ++s;
+        const int i = m - s_msg_start[s];
+        const char* meta = ep.local(ep[P_OFF_META]) + (s * T_max + i) * ep[P_META_BYTES];
+        const int t = *reinterpret_cast<const int*>(meta);
+        const uint16_t* ids = reinterpret_cast<const uint16_t*>(meta + ep[P_META_IDS]);
+        const float* w = reinterpret_cast<const float*>(meta + ep[P_META_W]);
+        const int* rows = reinterpret_cast<const int*>(meta + ep[P_META_ROWS]);
+        const uint8_t* scales = reinterpret_cast<const uint8_t*>(meta + ep[P_META_SCALES]);
+        const int src_rank = ep[P_SKIP_A2A] ? rank : s;
+        const long long mi = s * T_max + i;
+        int first = -1;
+        for (int k = 0; k < K; ++k)
+            if (rows[k] >= 0) { first = k; break; }
+        for (int k = 0; k < K; ++k) {
+            const int row = rows[k];
+            if (threadIdx.x == 0) a.msg_rows[mi * K + k] = row;
+            if (row < 0) continue;
+            const int g = sh + ids[k] - rank * L;
+            if (threadIdx.x == 0) {
+                a.src_info[2LL * row] = t;
+                a.src_info[2LL * row + 1] = k;
+                a.row_src[row] = src_rank;
+                a.row_weight[row] = w[k];
+            }
+            if (ep[P_SCALE_BYTES]) place_row_scales<FMT>(ep, a, row, swizzle_row(s_tiles, s_offsets, g, row), scales);
+            if (k != first) block_copy16(tokens + row * pb, tokens + rows[first] * pb, pb, threadIdx.x, blockDim.x);
+        }
+        if (threadIdx.x == 0) {
+            a.msg_token[mi] = t;
+            // My position among the token's destination ranks, in top-k order (its partial-sum slot in combine).
+            int j = 0;
+            if (!ep[P_SKIP_A2A]) {
+                for (int k = 0; k < K; ++k) {
+                    const int r = ids[k] / L;
+                    if (r == rank) break;
+                    bool seen = false;
+                    for (int k2 = 0; k2 < k; ++k2) seen |= (ids[k2] / L == r);
+                    j += !seen;
+                }
+            }
+            a.msg_j[mi] = j;
+        }
+    }
+
+    // Padding: fp8 rows up to each group's multiple of 4; fp4 scale tiles past each group's last row.
+    for (int g = blockIdx.x; g < G; g += gridDim.x) {
+        const unsigned begin = s_offsets[g], end = s_offsets[g + 1];
+        unsigned used = end;
+        if (sh && g == 0) used = s_tally[(ep[P_SKIP_A2A] ? 0 : rank) * (E + 1) + E];
+        else {
+            int n = 0;
+            for (int s = 0; s < n_src; ++s) n += s_tally[s * (E + 1) + rank * L + (g - sh)];
+            used = begin + n;
+        }
+        if constexpr (FMT == kFmtFp8) {
+            for (unsigned row = used; row < end; ++row) {
+                for (long long b = threadIdx.x; b < pb / 16; b += blockDim.x)
+                    reinterpret_cast<int4*>(tokens + row * pb)[b] = make_int4(0, 0, 0, 0);
+                float* out = static_cast<float*>(a.scales_out);
+                for (int b = threadIdx.x; b < ep[P_N_SCALES]; b += blockDim.x) out[b * ep[P_CAPACITY] + row] = 0.f;
+                if (threadIdx.x == 0) {
+                    a.src_info[2LL * row] = -1;
+                    a.src_info[2LL * row + 1] = -1;
+                    a.row_src[row] = -1;
+                    a.row_weight[row] = 0.f;
+                }
+            }
+        } else if constexpr (FMT == kFmtNvfp4 || FMT == kFmtMxfp4) {
+            const unsigned n = used - begin;
+            const unsigned pad_end = (n + kScaleTileRows - 1) / kScaleTileRows * kScaleTileRows;
+            const int k_tiles = static_cast<int>(ep[P_K_TILES]);
+            uint8_t* out = static_cast<uint8_t*>(a.scales_out);
+            for (long long i = threadIdx.x; i < static_cast<long long>(pad_end - n) * k_tiles * kScaleTileCols;
+                 i += blockDim.x) {
+                const long long srow = static_cast<long long>(s_tiles[g]) * kScaleTileRows + n + i / (k_tiles * kScaleTileCols);
+                out[swizzled_scale_offset(srow, static_cast<int>(i % (k_tiles * kScaleTileCols)), k_tiles)] = 0;
+            }
+        }
+    }
+
+    // Last block: re-arm the counts for the next round.
+    if (!last_block_done(ctr + C_DONE_RECV, s_flag)) return;
+    if (threadIdx.x < n_src) counts[threadIdx.x] = kEmpty;
+    if (threadIdx.x == 0) {
+        ctr[C_DONE_RECV] = 0;
+        ctr[C_RECV_ROUND] = round + 1;
+    }
+}
+
+}  // namespace
+
+template <int FMT, typename T>
+__device__ void dispatch_kernel(const long long* params, DispatchArgs a, int phases) {
+    extern __shared__ __align__(16) char smem[];
+    __shared__ int s_flag;
+    const EP ep{params};
+    if (has_error(ep)) return;
+    int* ctr = ep.counters();
+    // Rounds are read once at entry: the last block of a phase advances them only after every block started.
+    const int send_round = *reinterpret_cast<volatile int*>(ctr + C_DISP_ROUND);
+    const int recv_round = *reinterpret_cast<volatile int*>(ctr + C_RECV_ROUND);
+    __syncthreads();
+    if (phases & kPhaseNotify) phase_notify(ep, a, send_round, &s_flag);
+    if (phases & kPhaseSend) phase_send<FMT, T>(ep, a, send_round, smem, &s_flag);
+    if (phases & kPhaseRecv) phase_recv<FMT>(ep, a, recv_round, smem, &s_flag);
+}
+
+#define CUEP_DISPATCH(NAME, FMT, T)                                                                         \
+    extern "C" __global__ void __launch_bounds__(kDispatchThreads) NAME(                                    \
+        const long long* params, const void* x, const int* topk_ids, const float* topk_weights,            \
+        int num_tokens, float global_scale, void* scales_out, unsigned* row_offsets, int* expert_ids,       \
+        unsigned* scales_offsets, int* src_info, int* row_src, float* row_weight, int* msg_rows,            \
+        int* msg_token, int* msg_j, int* msg_count, int phases) {                                           \
+        DispatchArgs a{x, topk_ids, topk_weights, num_tokens, global_scale, scales_out, row_offsets,        \
+                       expert_ids, scales_offsets, src_info, row_src, row_weight, msg_rows, msg_token,      \
+                       msg_j, msg_count};                                                                   \
+        dispatch_kernel<FMT, T>(params, a, phases);                                                         \
+    }
+
+CUEP_DISPATCH(cuep_dispatch_bf16_from_bf16, kFmtBf16, bf16_t)
+CUEP_DISPATCH(cuep_dispatch_bf16_from_f32, kFmtBf16, float)
+CUEP_DISPATCH(cuep_dispatch_fp8_from_bf16, kFmtFp8, bf16_t)
+CUEP_DISPATCH(cuep_dispatch_fp8_from_f32, kFmtFp8, float)
+CUEP_DISPATCH(cuep_dispatch_nvfp4_from_bf16, kFmtNvfp4, bf16_t)
+CUEP_DISPATCH(cuep_dispatch_nvfp4_from_f32, kFmtNvfp4, float)
+CUEP_DISPATCH(cuep_dispatch_mxfp4_from_bf16, kFmtMxfp4, bf16_t)
+CUEP_DISPATCH(cuep_dispatch_mxfp4_from_f32, kFmtMxfp4, float)

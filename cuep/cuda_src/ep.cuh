@@ -1,0 +1,181 @@
+// cuep expert-parallel plumbing shared by dispatch.cu and combine.cu: the parameter block every EP kernel reads,
+// the layout of one rank's symmetric buffer, and the transport seam (peer pointers).
+//
+// Transport seam: kernels reach a peer's buffer only through `peer_ptr(p, rank, offset)`. Today that is a table of
+// peer base addresses (NVLink peer access in one process, cudaIpcOpenMemHandle across processes); a multi-node
+// transport would replace this one function and the host code that fills the table.
+#pragma once
+#include "common.cuh"
+
+namespace cuep {
+
+// Indices into the int64 parameter block built by cuep/buffer.py (PARAM_FIELDS there lists the same names in the
+// same order; a CPU test checks the two agree).
+enum Param : int {
+    P_RANK,
+    P_N_RANKS,
+    P_N_SRC,            // source ranks a rank receives from: n_ranks, or 1 with skip_a2a
+    P_SRC_INDEX,        // my index in a receiver's per-source regions: rank, or 0 with skip_a2a
+    P_N_LOCAL,
+    P_N_EXPERTS,
+    P_TOP_K,
+    P_HIDDEN,
+    P_MAX_TOKENS,
+    P_PAYLOAD_BYTES,
+    P_SCALE_BYTES,
+    P_ROW_ALIGN,
+    P_N_SCALES,
+    P_K_TILES,
+    P_N_GROUPS,
+    P_SHARED,           // fused shared expert: group 0 holds this rank's own tokens
+    P_SKIP_A2A,
+    P_CAPACITY,
+    P_META_BYTES,
+    P_META_IDS,
+    P_META_W,
+    P_META_ROWS,
+    P_META_SCALES,
+    P_COMBINE_ITEMSIZE,
+    P_OFF_TOKENS,
+    P_OFF_COMB_RECV,
+    P_OFF_META,
+    P_OFF_TALLY,
+    P_OFF_HIST_FLAG,
+    P_OFF_DISP_COUNT,
+    P_OFF_COMB_READY,
+    P_OFF_COMB_COUNT,
+    P_OFF_COUNTERS,
+    P_TIMEOUT_NS,
+    P_ERR_PTR,          // ErrorRecord* in host-mapped memory
+    P_PEER_BASE,        // 8 entries: base address of each rank's symmetric buffer
+    P_COUNT = P_PEER_BASE + 8
+};
+
+constexpr int kMaxRanks = 8;
+
+// Private int32 counters (offsets into the counters region).
+enum Counter : int {
+    C_RANK_SLOT = 0,      // [8]  messages reserved per destination rank
+    C_DISP_ROUND = 8,     // dispatch send rounds completed
+    C_RECV_ROUND = 9,     // dispatch receive rounds completed
+    C_COMB_ROUND = 10,    // combine send rounds completed
+    C_ERROR = 11,         // nonzero once any kernel of this rank reported an error (first one wins)
+    C_DONE_NOTIFY = 12,   // blocks done with a phase (last one finishes the phase and resets it)
+    C_DONE_SEND = 13,
+    C_DONE_RECV = 14,
+    C_DONE_CSEND = 15,
+    C_DONE_CRECV = 16,
+    C_HIST = 32,          // [E] this round's expert histogram
+                          // [E] after it: slots reserved per expert
+};
+
+// Kernel ids recorded in ErrorRecord.kernel.
+enum KernelId : int { K_DISPATCH_SEND = 1, K_DISPATCH_RECV = 2, K_COMBINE_SEND = 3, K_COMBINE_RECV = 4 };
+// Extra error codes (status field) besides kStatusTimeout.
+constexpr int kStatusBadExpertId = 2;
+constexpr int kStatusDuplicateExpert = 3;
+
+// Phase bits of the dispatch and combine kernels: the same kernel runs any contiguous subset, so the fused call,
+// the async/wait halves, and several ranks simulated on one GPU (phases launched rank by rank) share one code path.
+constexpr int kPhaseNotify = 1;   // publish this round's histogram (dispatch) or readiness (combine)
+constexpr int kPhaseSend = 2;     // move the data
+constexpr int kPhaseRecv = 4;     // wait for it and lay it out
+
+struct EP {
+    const long long* p;
+    __device__ __forceinline__ long long operator[](int i) const { return p[i]; }
+    __device__ __forceinline__ char* local(long long off) const { return reinterpret_cast<char*>(p[P_PEER_BASE + p[P_RANK]]) + off; }
+    __device__ __forceinline__ char* peer(int rank, long long off) const {
+        return reinterpret_cast<char*>(p[P_PEER_BASE + rank]) + off;
+    }
+    __device__ __forceinline__ int* counters() const { return reinterpret_cast<int*>(local(p[P_OFF_COUNTERS])); }
+    __device__ __forceinline__ ErrorRecord* err() const { return reinterpret_cast<ErrorRecord*>(p[P_ERR_PTR]); }
+};
+
+// Record an error once per rank: the first reporter wins the device-side flag and writes the host-mapped record
+// (plain stores; the host reads it without synchronising). Later kernels of the rank see the flag and return.
+__device__ __forceinline__ void report_error(const EP& ep, int status, int kernel, int expert, int src_rank) {
+    if (atomicCAS(ep.counters() + C_ERROR, 0, status) == 0) {
+        volatile ErrorRecord* e = ep.err();
+        e->kernel = kernel;
+        e->expert = expert;
+        e->src_rank = src_rank;
+        __threadfence_system();
+        e->status = status;
+        __threadfence_system();
+    }
+}
+
+__device__ __forceinline__ bool has_error(const EP& ep) {
+    return *reinterpret_cast<volatile int*>(ep.counters() + C_ERROR) != 0;
+}
+
+// "Last block done" pattern: every block calls this once after its share of a phase (all threads); it returns true
+// in exactly one block, after every other block's writes of the phase are visible to it. That block finishes the
+// phase and resets `*done` to 0 so the next round starts clean.
+__device__ __forceinline__ bool last_block_done(int* done, int* s_flag) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence_system();  // this block's writes (peer memory included) before the count
+        const int prev = atomicAdd(done, 1);
+        *s_flag = (prev == static_cast<int>(gridDim.x) - 1);
+        if (*s_flag) __threadfence_system();
+    }
+    __syncthreads();
+    return *s_flag != 0;
+}
+
+// Spin (all threads of the block call it) until flags[i] == want for every i < n, bounded by the timeout.
+// Returns false and records (kernel, expert=-1, src) on timeout.
+__device__ __forceinline__ bool block_wait_flags_eq(const uint64_t* flags, int n, uint64_t want, const EP& ep,
+                                                    int kernel, int* s_ok) {
+    if (threadIdx.x == 0) *s_ok = 1;
+    __syncthreads();
+    if (threadIdx.x < n) {
+        const uint64_t t0 = global_timer_ns();
+        while (load_acquire_u64(flags + threadIdx.x) != want) {
+            if (global_timer_ns() - t0 > static_cast<uint64_t>(ep[P_TIMEOUT_NS])) {
+                report_error(ep, kStatusTimeout, kernel, -1, threadIdx.x);
+                *s_ok = 0;
+                break;
+            }
+            __nanosleep(64);
+        }
+    }
+    __syncthreads();
+    return *s_ok != 0;
+}
+
+// Same, until flags[i] != kEmpty; the values are left in s_vals[i].
+__device__ __forceinline__ bool block_wait_not_empty(const uint64_t* flags, int n, uint64_t* s_vals, const EP& ep,
+                                                     int kernel, int* s_ok) {
+    if (threadIdx.x == 0) *s_ok = 1;
+    __syncthreads();
+    if (threadIdx.x < n) {
+        const uint64_t t0 = global_timer_ns();
+        uint64_t v;
+        while ((v = load_acquire_u64(flags + threadIdx.x)) == kEmpty) {
+            if (global_timer_ns() - t0 > static_cast<uint64_t>(ep[P_TIMEOUT_NS])) {
+                report_error(ep, kStatusTimeout, kernel, -1, threadIdx.x);
+                *s_ok = 0;
+                break;
+            }
+            __nanosleep(64);
+        }
+        s_vals[threadIdx.x] = v;
+    }
+    __syncthreads();
+    return *s_ok != 0;
+}
+
+// Is top-k choice k of this token a valid expert for this call (in range, not a repeat; with skip_a2a, local)?
+__device__ __forceinline__ bool valid_choice(const EP& ep, const int* ids_row, int k) {
+    const int e = ids_row[k];
+    if (e < 0 || e >= ep[P_N_EXPERTS]) return false;
+    for (int j = 0; j < k; ++j)
+        if (ids_row[j] == e) return false;
+    if (ep[P_SKIP_A2A] && e / ep[P_N_LOCAL] != ep[P_RANK]) return false;
+    return true;
+}
+
+}  // namespace cuep

@@ -1,0 +1,296 @@
+"""Dispatch and combine: the functional API over a :class:`cuep.Buffer`.
+
+Every call takes one array per local rank (a list; a bare array when the process drives a single rank) and
+returns the same. Launches for all local devices go out back to back, each on its device's current stream; there
+is no host synchronisation inside a round, so dispatch -> grouped GEMM -> combine can be captured in a CUDA graph.
+When several ranks share one device (protocol testing), the phases run rank by rank on that device's stream.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import _kernels
+from .buffer import Buffer
+
+PHASE_NOTIFY, PHASE_SEND, PHASE_RECV = 1, 2, 4
+MODE_PARTIAL, MODE_WEIGHTED, MODE_UNREDUCED = 0, 1, 2
+_THREADS = 512
+_NULL = np.uint64(0)
+
+
+@dataclass
+class Dispatched:
+    """One rank's dispatch result (arrays live in the buffer and are reused by its next dispatch).
+
+    Attributes:
+        tokens: [capacity, H] bfloat16 (bf16), [capacity, H] uint8 (fp8, e4m3 bits) or [capacity, H/2] uint8
+            (nvfp4/mxfp4, two e2m1 per byte). Rows ``row_offsets[-1]`` and past are left as they were.
+        scales: fp8 float32 [H/128, capacity]; nvfp4/mxfp4 uint8 128x4-tiled block scales; bf16 None.
+        row_offsets: uint32 [n_groups + 1]: group g holds rows row_offsets[g] .. row_offsets[g+1].
+        expert_ids: int32 [n_groups]: local expert of each group (the shared expert is id L, group 0).
+        src_info: int32 [capacity, 2]: (token index on the source rank, top-k slot k) per row; (t, K) for
+            shared-expert rows, (-1, -1) for padding.
+        scales_offsets: uint32 [n_groups] for nvfp4/mxfp4 (group g's first scale tile is
+            row_offsets[g] // 128 + scales_offsets[g]), else None.
+        rank: the rank this result belongs to; num_tokens: tokens it dispatched.
+    """
+
+    tokens: object
+    scales: object
+    row_offsets: object
+    expert_ids: object
+    src_info: object
+    scales_offsets: object
+    rank: int
+    num_tokens: int
+    _topk_ids: object = field(default=None, repr=False)
+    _has_weights: bool = field(default=False, repr=False)
+    _buffer: Buffer | None = field(default=None, repr=False)
+
+
+def _as_list(v, n: int, name: str) -> list:
+    if isinstance(v, (list, tuple)):
+        if len(v) != n:
+            raise ValueError(f"{name} has {len(v)} entries; this process drives {n} rank(s), one array each")
+        return list(v)
+    if n == 1:
+        return [v]
+    raise TypeError(f"{name} must be a list of {n} arrays (one per local rank), got {type(v).__name__}")
+
+
+def _check_array(a, name: str, device: int, dtypes, ndim: int):
+    import cupy
+
+    if not isinstance(a, cupy.ndarray):
+        raise TypeError(f"{name} must be a cupy.ndarray on GPU {device}, got {type(a).__name__}")
+    if a.device.id != device:
+        raise ValueError(f"{name} is on GPU {a.device.id}; this rank runs on GPU {device}")
+    if a.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {a.shape}")
+    if a.dtype not in dtypes:
+        raise TypeError(f"{name} has dtype {a.dtype}; expected one of {[str(np.dtype(d)) for d in dtypes]}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous (use cupy.ascontiguousarray)")
+
+
+def _bf16():
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def _launch_order(buf: Buffer, phases: int):
+    """(rank index, phase bits) in launch order: fused per rank, or phase by phase when ranks share a device."""
+    ranks = range(len(buf._ranks))
+    if not buf.group.shares_devices:
+        return [(i, phases) for i in ranks]
+    return [(i, p) for p in (PHASE_NOTIFY, PHASE_SEND, PHASE_RECV) if phases & p for i in ranks]
+
+
+def _dispatch_smem(buf: Buffer) -> int:
+    cfg = buf.cfg
+    tally = 4 * cfg.n_source_ranks * (cfg.n_experts + 1)
+    send = tally + 4 * (-(-cfg.n_experts // 4) * 4) + 16 * -(-cfg.payload_bytes // 16) + 16 * -(
+        -cfg.message.scale_bytes // 16)
+    recv = tally + 4 * (-(-(cfg.n_groups + 1) // 4) * 4 + cfg.n_groups)
+    return max(send, recv)
+
+
+def _kernel(name: str, smem: int):
+    fn = _kernels.function(name.split(":")[0], name.split(":")[1])
+    if smem > 48 * 1024:
+        fn.max_dynamic_shared_size_bytes = smem
+    return fn
+
+
+def _validate_dispatch(buf, xs, ids, ws, global_scale):
+    cfg = buf.cfg
+    if not (isinstance(global_scale, (int, float, np.floating)) and math.isfinite(global_scale) and global_scale > 0):
+        raise ValueError(f"global_scale={global_scale!r} must be a finite positive number")
+    for i, r in enumerate(buf._ranks):
+        tag = f"[rank {r.rank}]"
+        _check_array(xs[i], f"x{tag}", r.device, (np.dtype(np.float32), _bf16()), 2)
+        n, h = xs[i].shape
+        if h != cfg.hidden:
+            raise ValueError(f"x{tag} has {h} columns; cfg.hidden is {cfg.hidden}")
+        if n > cfg.max_tokens_per_rank:
+            raise ValueError(f"x{tag} has {n} tokens; cfg.max_tokens_per_rank is {cfg.max_tokens_per_rank}")
+        _check_array(ids[i], f"topk_ids{tag}", r.device, (np.dtype(np.int32),), 2)
+        if ids[i].shape != (n, cfg.top_k):
+            raise ValueError(f"topk_ids{tag} has shape {ids[i].shape}; expected ({n}, {cfg.top_k}) = (tokens, top_k)")
+        if ws[i] is not None:
+            _check_array(ws[i], f"topk_weights{tag}", r.device, (np.dtype(np.float32),), 2)
+            if ws[i].shape != (n, cfg.top_k):
+                raise ValueError(f"topk_weights{tag} has shape {ws[i].shape}; expected ({n}, {cfg.top_k})")
+
+
+def _dispatch(buf: Buffer, x, topk_ids, topk_weights, global_scale: float, phases: int):
+    import cupy
+
+    buf.check()
+    n = len(buf._ranks)
+    xs, ids = _as_list(x, n, "x"), _as_list(topk_ids, n, "topk_ids")
+    ws = _as_list(topk_weights, n, "topk_weights") if topk_weights is not None else [None] * n
+    _validate_dispatch(buf, xs, ids, ws, global_scale)
+    cfg = buf.cfg
+    smem = _dispatch_smem(buf)
+    results = []
+    for i, r in enumerate(buf._ranks):
+        results.append(Dispatched(
+            tokens=r.tokens, scales=r.scales, row_offsets=r.row_offsets, expert_ids=r.expert_ids,
+            src_info=r.src_info, scales_offsets=r.scales_offsets, rank=r.rank, num_tokens=int(xs[i].shape[0]),
+            _topk_ids=ids[i], _has_weights=ws[i] is not None, _buffer=buf))
+    for i, ph in _launch_order(buf, phases):
+        r = buf._ranks[i]
+        with cupy.cuda.Device(r.device):
+            src = "bf16" if xs[i].dtype == _bf16() else "f32"
+            fn = _kernel(f"dispatch.cu:cuep_dispatch_{cfg.fmt.name}_from_{src}", smem)
+            sc = r.scales if r.scales is not None else None
+            args = (r.params, xs[i], ids[i], ws[i] if ws[i] is not None else _NULL, np.int32(xs[i].shape[0]),
+                    np.float32(global_scale), sc if sc is not None else _NULL, r.row_offsets, r.expert_ids,
+                    r.scales_offsets if r.scales_offsets is not None else _NULL, r.src_info, r.row_src,
+                    r.row_weight, r.msg_rows, r.msg_token, r.msg_j, r.msg_count, np.int32(ph))
+            fn((buf.num_sms,), (_THREADS,), args, shared_mem=smem)
+    return results
+
+
+def dispatch(buf: Buffer, x, topk_ids, topk_weights=None, *, global_scale: float = 1.0):
+    """Send every token to the ranks of its top-k experts and lay them out expert-major (one launch per rank).
+
+    Args:
+        buf: the group's :class:`Buffer`.
+        x: per local rank, [N, H] bfloat16 or float32 (N <= max_tokens_per_rank; may differ between ranks, may be 0).
+        topk_ids: per local rank, int32 [N, K], values in [0, E), no expert twice in a row (a bad choice is
+            skipped and reported as :class:`cuep.buffer.EPError` at the next call or ``buf.synchronize()``).
+        topk_weights: per local rank, float32 [N, K], optional: given here, they ride along and combine reduces
+            each token over a rank's experts before sending it back (less traffic).
+        global_scale: nvfp4 global scale g (scales are e4m3(g * amax / 6)).
+
+    Returns:
+        list of :class:`Dispatched`, one per local rank (a single one if ``x`` was a bare array).
+    """
+    res = _dispatch(buf, x, topk_ids, topk_weights, global_scale, PHASE_NOTIFY | PHASE_SEND | PHASE_RECV)
+    return res if isinstance(x, (list, tuple)) else res[0]
+
+
+def dispatch_async(buf: Buffer, x, topk_ids, topk_weights=None, *, global_scale: float = 1.0):
+    """The send half of :func:`dispatch`: returns at once; pass the result to :func:`dispatch_wait`."""
+    res = _dispatch(buf, x, topk_ids, topk_weights, global_scale, PHASE_NOTIFY | PHASE_SEND)
+    return res if isinstance(x, (list, tuple)) else res[0]
+
+
+def dispatch_wait(pending):
+    """The receive half: waits (on the device, bounded) for every source and builds the outputs."""
+    import cupy
+
+    items = pending if isinstance(pending, (list, tuple)) else [pending]
+    buf = items[0]._buffer
+    buf.check()
+    cfg = buf.cfg
+    smem = _dispatch_smem(buf)
+    by_rank = {d.rank: d for d in items}
+    for i, ph in _launch_order(buf, PHASE_RECV):
+        r = buf._ranks[i]
+        d = by_rank[r.rank]
+        with cupy.cuda.Device(r.device):
+            fn = _kernel(f"dispatch.cu:cuep_dispatch_{cfg.fmt.name}_from_bf16", smem)
+            args = (r.params, _NULL, _NULL, _NULL, np.int32(d.num_tokens), np.float32(1.0),
+                    r.scales if r.scales is not None else _NULL, r.row_offsets, r.expert_ids,
+                    r.scales_offsets if r.scales_offsets is not None else _NULL, r.src_info, r.row_src,
+                    r.row_weight, r.msg_rows, r.msg_token, r.msg_j, r.msg_count, np.int32(ph))
+            fn((buf.num_sms,), (_THREADS,), args, shared_mem=smem)
+    return pending
+
+
+def _combine(buf: Buffer, expert_out, dispatched, topk_weights, residual, phases: int):
+    import cupy
+
+    buf.check()
+    cfg = buf.cfg
+    n = len(buf._ranks)
+    ds = _as_list(dispatched, n, "dispatched")
+    eos = _as_list(expert_out, n, "expert_out")
+    ws = _as_list(topk_weights, n, "topk_weights") if topk_weights is not None else [None] * n
+    res = _as_list(residual, n, "residual") if residual is not None else [None] * n
+    cdt = _bf16() if cfg.combine_dtype == "bfloat16" else np.dtype(np.float32)
+    outs, modes = [], []
+    for i, r in enumerate(buf._ranks):
+        tag = f"[rank {r.rank}]"
+        d = ds[i]
+        if not isinstance(d, Dispatched) or d._buffer is not buf or d.rank != r.rank:
+            raise ValueError(f"dispatched{tag} must be the Dispatched this buffer returned for rank {r.rank}")
+        _check_array(eos[i], f"expert_out{tag}", r.device, (cdt,), 2)
+        if eos[i].shape[0] < cfg.capacity or eos[i].shape[1] != cfg.hidden:
+            raise ValueError(f"expert_out{tag} has shape {eos[i].shape}; expected at least ({cfg.capacity}, "
+                             f"{cfg.hidden}) = (cfg.capacity, hidden): row i is the output of dispatched row i")
+        N = d.num_tokens
+        if ws[i] is not None:
+            _check_array(ws[i], f"topk_weights{tag}", r.device, (np.dtype(np.float32),), 2)
+            if ws[i].shape != (N, cfg.top_k):
+                raise ValueError(f"topk_weights{tag} has shape {ws[i].shape}; expected ({N}, {cfg.top_k})")
+            mode = MODE_WEIGHTED
+        else:
+            mode = MODE_PARTIAL if d._has_weights else MODE_UNREDUCED
+        if res[i] is not None:
+            if mode == MODE_UNREDUCED:
+                raise ValueError(f"residual{tag} applies to the reduced output; pass topk_weights (here or at "
+                                 f"dispatch) or leave residual out")
+            _check_array(res[i], f"residual{tag}", r.device, (cdt,), 2)
+            if res[i].shape != (N, cfg.hidden):
+                raise ValueError(f"residual{tag} has shape {res[i].shape}; expected ({N}, {cfg.hidden})")
+        with cupy.cuda.Device(r.device):
+            T, H, K = cfg.max_tokens_per_rank, cfg.hidden, cfg.top_k
+            if mode == MODE_UNREDUCED:
+                if r.combined_unreduced is None:
+                    r.combined_unreduced = cupy.empty((T, K + int(cfg.fused_shared_expert), H), dtype=cdt)
+                out = r.combined_unreduced[:N]
+            else:
+                if r.combined is None:
+                    r.combined = cupy.empty((T, H), dtype=cdt)
+                out = r.combined[:N]
+        outs.append(out)
+        modes.append(mode)
+    suffix = "bf16" if cfg.combine_dtype == "bfloat16" else "f32"
+    for i, ph in _launch_order(buf, phases):
+        r, d = buf._ranks[i], ds[i]
+        with cupy.cuda.Device(r.device):
+            fn = _kernels.function("combine.cu", f"cuep_combine_{suffix}")
+            args = (r.params, eos[i], r.src_info, r.row_src, r.row_weight, r.msg_rows, r.msg_token, r.msg_j,
+                    r.msg_count, r.row_offsets, d._topk_ids, ws[i] if ws[i] is not None else _NULL,
+                    res[i] if res[i] is not None else _NULL, outs[i], np.int32(d.num_tokens), np.int32(modes[i]),
+                    np.int32(ph))
+            fn((buf.num_sms,), (_THREADS,), args)
+    return outs
+
+
+def combine(buf: Buffer, expert_out, dispatched, topk_weights=None, *, residual=None):
+    """Send expert outputs back to their tokens' ranks and sum them (one launch per rank).
+
+    Args:
+        expert_out: per local rank, [capacity, H] in the combine dtype: row i is the expert output of dispatched
+            row i (rows past ``row_offsets[-1]`` are not read).
+        dispatched: the list :func:`dispatch` returned.
+        topk_weights: per local rank, float32 [N, K]. None: use the weights given at dispatch, or, if none were
+            given there, return the unreduced [N, K, H] (shared expert in slot K when fused).
+        residual: per local rank, [N, H] in the combine dtype, added to the reduced output (epilogue).
+
+    Returns:
+        per local rank, [N, H] (or [N, K (+1), H]) in the combine dtype; reused by the next combine.
+        Sums accumulate in float32. With ``fused_shared_expert`` the shared group's row t is added with weight 1.
+    """
+    outs = _combine(buf, expert_out, dispatched, topk_weights, residual, PHASE_NOTIFY | PHASE_SEND | PHASE_RECV)
+    return outs if isinstance(dispatched, (list, tuple)) else outs[0]
+
+
+def combine_async(buf: Buffer, expert_out, dispatched, topk_weights=None, *, residual=None):
+    """The send half of :func:`combine`; :func:`combine_wait` with the same arguments finishes it."""
+    _combine(buf, expert_out, dispatched, topk_weights, residual, PHASE_NOTIFY | PHASE_SEND)
+
+
+def combine_wait(buf: Buffer, expert_out, dispatched, topk_weights=None, *, residual=None):
+    """The receive half of :func:`combine`: waits for every rank and returns the summed outputs."""
+    outs = _combine(buf, expert_out, dispatched, topk_weights, residual, PHASE_RECV)
+    return outs if isinstance(dispatched, (list, tuple)) else outs[0]

@@ -1,0 +1,473 @@
+"""NumPy reference of expert-parallel dispatch, combine and the fused SwiGLU (the oracle for the kernels).
+
+All ranks are simulated in one process: every function takes and returns one array per rank (lists of length
+``cfg.n_ranks``). Pure NumPy and ml_dtypes; quantization comes from :mod:`cuep.reference.quant`, so payload and
+scale bytes are exactly those of ``docs/formats.md``.
+
+Row order. The contract (``ep_semantics.md``) leaves the order of rows inside one (expert, source rank) block to
+arrival order; the reference picks the **canonical order**: ascending source token index. GPU outputs are
+therefore compared as sets keyed by (source rank, token, k), or after sorting each block the same way.
+
+``skip_a2a``. Every rank holds the same tokens (for example after an all-gather), so rank ``r`` only receives
+its *own* tokens that chose one of its *own* local experts: only source rank ``r`` appears in rank ``r``'s
+dispatch output, and the tokens passed for the other ranks are validated but otherwise ignored for rank ``r``.
+Combine then returns, on each rank, the partial sum over that rank's local experts; summing the partial sums
+over the ranks (the later all-reduce) gives the full combine.
+
+Reference outputs are trimmed to ``row_offsets[-1]`` rows; the kernels write ``cfg.capacity`` rows and leave
+the rows past ``row_offsets[-1]`` untouched.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import ml_dtypes
+import numpy as np
+
+from ..config import EPConfig
+from ..formats import FP8_BLOCK, Format, get_format
+from .quant import ftz, quantize, swizzle_block_scales
+
+__all__ = ["Dispatched", "dispatch", "combine", "fused_silu"]
+
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+_F32 = np.dtype(np.float32)
+_I32 = np.dtype(np.int32)
+
+
+@dataclass
+class Dispatched:
+    """What one rank holds after dispatch: its rows grouped by local expert (expert-major).
+
+    ``rows`` = ``row_offsets[-1]`` (the reference trims; the kernels' outputs have ``cfg.capacity`` rows).
+
+    Attributes:
+        tokens: payload per row. bf16: ``ml_dtypes.bfloat16 [rows, H]``; fp8: ``uint8 [rows, H]`` (e4m3 bytes);
+            nvfp4/mxfp4: ``uint8 [rows, H/2]`` (two e2m1 codes per byte, element 2i in the low nibble).
+        scales: ``None`` for bf16; fp8: ``float32 [H/128, rows]`` (transposed); nvfp4/mxfp4: ``uint8`` 1-D, the
+            128x4 swizzled block scales of the groups (see ``docs/formats.md``).
+        row_offsets: ``uint32 [n_groups + 1]``; group g holds rows ``row_offsets[g] .. row_offsets[g + 1]``
+            (fp8: each group's count padded up to a multiple of ``cfg.fmt.row_align`` = 4).
+        expert_ids: ``int32 [n_groups]``: the local expert of each group (``cfg.shared_expert_id`` = L for the
+            fused shared-expert group 0).
+        src_info: ``int32 [rows, 2]``: (token index on the source rank, top-k slot k); k = K marks a shared-expert
+            row; padding rows are (-1, -1).
+        src_rank: ``int32 [rows]``: the source rank of each row, -1 for padding rows.
+        scales_offsets: ``uint32 [n_groups]`` for nvfp4/mxfp4 (group g's first 128-row scale block is
+            ``row_offsets[g] // 128 + scales_offsets[g]``), else ``None``.
+    """
+
+    tokens: np.ndarray
+    scales: Optional[np.ndarray]
+    row_offsets: np.ndarray
+    expert_ids: np.ndarray
+    src_info: np.ndarray
+    src_rank: np.ndarray
+    scales_offsets: Optional[np.ndarray] = None
+
+    @property
+    def n_rows(self) -> int:
+        """``row_offsets[-1]``: the rows in use (padding included)."""
+        return int(self.row_offsets[-1])
+
+
+# ---- validation ----------------------------------------------------------------------------------------------
+def _check_cfg(cfg) -> None:
+    if not isinstance(cfg, EPConfig):
+        raise ValueError(f"cfg must be an EPConfig, got {type(cfg).__name__}")
+
+
+def _check_list(name: str, value, n: int) -> list:
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} must be a list of {n} per-rank arrays (one per rank), got {type(value).__name__}")
+    if len(value) != n:
+        raise ValueError(f"{name} has {len(value)} entries; expected one per rank ({n})")
+    return list(value)
+
+
+def _check_tokens(tokens, cfg: EPConfig) -> list[np.ndarray]:
+    tokens = _check_list("tokens", tokens, cfg.n_ranks)
+    out = []
+    for r, x in enumerate(tokens):
+        x = np.asarray(x)
+        if x.ndim != 2 or x.shape[1] != cfg.hidden:
+            raise ValueError(f"tokens[{r}] has shape {x.shape}; expected [N, hidden={cfg.hidden}]")
+        if x.dtype not in (_F32, _BF16):
+            raise ValueError(f"tokens[{r}] has dtype {x.dtype}; expected float32 or bfloat16")
+        if x.shape[0] > cfg.max_tokens_per_rank:
+            raise ValueError(f"tokens[{r}] has {x.shape[0]} tokens > max_tokens_per_rank="
+                             f"{cfg.max_tokens_per_rank}")
+        out.append(x)
+    return out
+
+
+def _check_topk_ids(topk_ids, n_tokens: Sequence[int], cfg: EPConfig) -> list[np.ndarray]:
+    topk_ids = _check_list("topk_ids", topk_ids, cfg.n_ranks)
+    out = []
+    for r, ids in enumerate(topk_ids):
+        ids = np.asarray(ids)
+        if ids.shape != (n_tokens[r], cfg.top_k):
+            raise ValueError(f"topk_ids[{r}] has shape {ids.shape}; expected [N={n_tokens[r]}, "
+                             f"top_k={cfg.top_k}] (N from tokens[{r}])")
+        if ids.dtype != _I32:
+            raise ValueError(f"topk_ids[{r}] has dtype {ids.dtype}; expected int32")
+        if ids.size:
+            bad = (ids < 0) | (ids >= cfg.n_experts)
+            if bad.any():
+                t, k = map(int, np.argwhere(bad)[0])
+                raise ValueError(f"topk_ids[{r}][{t}, {k}] = {int(ids[t, k])} is outside [0, n_experts="
+                                 f"{cfg.n_experts})")
+            s = np.sort(ids, axis=1)
+            dup = (s[:, 1:] == s[:, :-1]).any(axis=1)
+            if dup.any():
+                t = int(np.flatnonzero(dup)[0])
+                raise ValueError(f"topk_ids[{r}] row {t} names the same expert twice: {ids[t].tolist()}")
+        out.append(ids)
+    return out
+
+
+def _resolve_format(fmt) -> Format:
+    if isinstance(fmt, Format):
+        return fmt
+    return get_format(fmt, "fmt")
+
+
+# ---- encoding ------------------------------------------------------------------------------------------------
+def _encode(x: np.ndarray, fmt: Format, hidden: int, global_scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """Quantize token rows once (the sender's send buffer): payload uint8 [N, P], scales uint8 [N, S]."""
+    n = x.shape[0]
+    if n == 0:
+        return (np.zeros((0, fmt.payload_bytes(hidden)), np.uint8),
+                np.zeros((0, fmt.scale_bytes(hidden)), np.uint8))
+    payload, scales = quantize(x, fmt.name, global_scale)
+    return np.ascontiguousarray(payload, dtype=np.uint8), np.ascontiguousarray(scales, dtype=np.uint8)
+
+
+def _layout_scales(scale_rows: np.ndarray, row_offsets: np.ndarray, fmt: Format, hidden: int):
+    """Per-row scale bytes uint8 [rows, S] -> the dispatch/fused_silu layout: (scales, scales_offsets)."""
+    rows = scale_rows.shape[0]
+    if fmt.name == "bf16":
+        return None, None
+    if fmt.name == "fp8":
+        s = np.ascontiguousarray(scale_rows).view(np.float32).reshape(rows, hidden // FP8_BLOCK)
+        return np.ascontiguousarray(s.T), None
+    swz, offs = swizzle_block_scales(scale_rows, row_offsets, fmt.name, hidden)
+    return np.asarray(swz, dtype=np.uint8), np.asarray(offs, dtype=np.uint32)
+
+
+def _tokens_view(payload: np.ndarray, fmt: Format, hidden: int) -> np.ndarray:
+    if fmt.name == "bf16":
+        return np.ascontiguousarray(payload).view(_BF16).reshape(payload.shape[0], hidden)
+    return payload
+
+
+# ---- dispatch ------------------------------------------------------------------------------------------------
+def dispatch(tokens: Sequence[np.ndarray], topk_ids: Sequence[np.ndarray], cfg: EPConfig,
+             global_scale: float = 1.0) -> list[Dispatched]:
+    """Dispatch every rank's tokens to the ranks of their top-k experts (all ranks simulated at once).
+
+    Each token is quantized once on its source rank (``quantize(x, cfg.dispatch_format, global_scale)``), then
+    copied into one row per chosen expert on the expert's rank (expert ``e`` lives on rank ``e // L`` as local
+    expert ``e % L``). Rank r's output is expert-major: group g holds local expert g's rows (with
+    ``cfg.fused_shared_expert``: group 0 is the shared expert holding rank r's own N_r tokens in order with
+    ``src_info`` (t, K), and routed group g + 1 holds local expert g). Inside a group: source rank 0's rows first,
+    then rank 1, ...; inside one (expert, source rank) block, ascending source token (the canonical order). fp8:
+    each group's row count is padded up to a multiple of ``cfg.fmt.row_align`` with zero rows
+    (``src_info`` (-1, -1), ``src_rank`` -1, zero payload and scales). With ``cfg.skip_a2a`` rank r receives only
+    its own tokens bound to its own local experts (the other ranks' tokens are ignored for rank r).
+
+    Args:
+        tokens: list of R arrays ``[N_r, H]``, float32 or ``ml_dtypes.bfloat16``; ``N_r <= T``, may be 0.
+        topk_ids: list of R ``int32 [N_r, K]``, values in ``[0, E)``, no expert twice in a row.
+        cfg: the group's :class:`~cuep.config.EPConfig`.
+        global_scale: float32 global scale of nvfp4 (ignored by the other formats' math, passed through).
+
+    Returns:
+        list of R :class:`Dispatched` (one per receiving rank), trimmed to ``row_offsets[-1]`` rows.
+
+    Raises:
+        ValueError: naming the argument (list length, shape, dtype, N_r > T, ids outside [0, E), duplicates).
+    """
+    _check_cfg(cfg)
+    xs = _check_tokens(tokens, cfg)
+    ids = _check_topk_ids(topk_ids, [x.shape[0] for x in xs], cfg)
+    fmt = cfg.fmt
+    R, L, K, E, H = cfg.n_ranks, cfg.n_local_experts, cfg.top_k, cfg.n_experts, cfg.hidden
+    align = fmt.row_align
+
+    # Sender side: encode each token once; sort its (token, k) pairs by expert, ascending token inside an expert
+    # (stable sort of the token-major flattening), so each (expert, source) block is a contiguous slice.
+    encoded, by_expert, starts = [], [], []
+    for s in range(R):
+        encoded.append(_encode(xs[s], fmt, H, global_scale))
+        flat = ids[s].reshape(-1)
+        order = np.argsort(flat, kind="stable")
+        by_expert.append(order)  # index t * K + k
+        starts.append(np.searchsorted(flat[order], np.arange(E + 1)))
+
+    outs = []
+    for r in range(R):
+        sources = [r] if cfg.skip_a2a else list(range(R))
+        blocks: list[list[tuple[int, np.ndarray, np.ndarray]]] = []  # per group: (src rank, t, k) blocks
+        if cfg.fused_shared_expert:
+            n = xs[r].shape[0]
+            blocks.append([(r, np.arange(n, dtype=np.int64), np.full(n, K, np.int64))])
+        for l in range(L):
+            e = r * L + l
+            group = []
+            for s in sources:
+                sel = by_expert[s][starts[s][e]:starts[s][e + 1]]
+                group.append((s, sel // K, sel % K))
+            blocks.append(group)
+
+        counts = np.array([sum(len(t) for _, t, _ in g) for g in blocks], dtype=np.int64)
+        padded = -(-counts // align) * align
+        row_offsets = np.zeros(len(blocks) + 1, np.int64)
+        np.cumsum(padded, out=row_offsets[1:])
+        rows = int(row_offsets[-1])
+
+        src_info = np.full((rows, 2), -1, np.int32)
+        src_rank = np.full(rows, -1, np.int32)
+        for g, group in enumerate(blocks):
+            at = int(row_offsets[g])
+            for s, t, k in group:
+                src_info[at:at + len(t), 0] = t
+                src_info[at:at + len(t), 1] = k
+                src_rank[at:at + len(t)] = s
+                at += len(t)
+
+        payload = np.zeros((rows, fmt.payload_bytes(H)), np.uint8)
+        scale_rows = np.zeros((rows, fmt.scale_bytes(H)), np.uint8)
+        for s in sources:
+            sel = np.flatnonzero(src_rank == s)
+            if sel.size:
+                payload[sel] = encoded[s][0][src_info[sel, 0]]
+                scale_rows[sel] = encoded[s][1][src_info[sel, 0]]
+
+        row_offsets = row_offsets.astype(np.uint32)
+        scales, scales_offsets = _layout_scales(scale_rows, row_offsets, fmt, H)
+        expert_ids = np.arange(L, dtype=np.int32)
+        if cfg.fused_shared_expert:
+            expert_ids = np.concatenate([np.array([cfg.shared_expert_id], np.int32), expert_ids])
+        outs.append(Dispatched(tokens=_tokens_view(payload, fmt, H), scales=scales, row_offsets=row_offsets,
+                               expert_ids=expert_ids, src_info=src_info, src_rank=src_rank,
+                               scales_offsets=scales_offsets))
+    return outs
+
+
+# ---- combine -------------------------------------------------------------------------------------------------
+def combine(expert_out: Sequence[np.ndarray], dispatched: Sequence[Dispatched],
+            topk_weights: Optional[Sequence[np.ndarray]], cfg: EPConfig,
+            epilogue: Optional[Callable[[np.ndarray, int], np.ndarray]] = None,
+            num_tokens: Optional[Sequence[int]] = None) -> list[np.ndarray]:
+    """Send every expert output row back to its source token and reduce over the top-k choices.
+
+    Row i of ``expert_out[d]`` is the expert output for row i of ``dispatched[d]``; it returns to token
+    ``src_info[i, 0]`` of rank ``src_rank[i]`` as top-k slot ``src_info[i, 1]`` (slot K: the shared expert).
+    With weights: ``out[t] = sum_k w[t, k] * row(t, k)`` accumulated in float32 over k = 0..K-1 in order (each
+    product and sum flushed to zero like the kernels), then ``+ row(t, K)`` (the shared expert, weight 1) when
+    ``cfg.fused_shared_expert``. With ``cfg.skip_a2a`` only the slots whose expert is local to the rank
+    contribute (a partial sum; summing the ranks' outputs gives the full combine, except that with
+    ``fused_shared_expert`` every rank adds its own shared-expert row, so the sum holds R copies of it). The
+    reference returns float32; the kernels cast the same value to ``cfg.combine_dtype``.
+
+    Args:
+        expert_out: list of R arrays ``[rows_r or more, H]``, float32 or ``ml_dtypes.bfloat16``; rows past
+            ``row_offsets[-1]`` and padding rows are ignored.
+        dispatched: the list :func:`dispatch` returned.
+        topk_weights: list of R ``float32 [N_r, K]``, or ``None`` for the unreduced output.
+        cfg: the same :class:`~cuep.config.EPConfig` as dispatch.
+        epilogue: optional ``epilogue(out, rank) -> array`` of the same shape, applied to each rank's final
+            float32 output (e.g. ``lambda out, r: out + residual[r]``).
+        num_tokens: optional list of R token counts N_r. Taken from ``topk_weights`` when given, else recovered
+            from ``dispatched`` (every token has one k = 0 row, or one shared-expert row); required only with
+            ``skip_a2a``, no shared expert and no weights, where a token routed to no local expert leaves no trace.
+
+    Returns:
+        list of R float32 arrays: ``[N_r, H]`` with weights; without weights the unreduced ``[N_r, K, H]``
+        (``[N_r, K + 1, H]`` with the fused shared expert, slot K = its row), zero in the slots that no row
+        filled (with ``skip_a2a``, the experts that are not local).
+
+    Raises:
+        ValueError: naming the argument whose list length, shape or dtype is wrong, or when ``dispatched``
+            does not match ``topk_weights`` / ``num_tokens`` (a slot filled twice, or missing without skip_a2a).
+    """
+    _check_cfg(cfg)
+    R, K, H = cfg.n_ranks, cfg.top_k, cfg.hidden
+    dispatched = _check_list("dispatched", dispatched, R)
+    expert_out = _check_list("expert_out", expert_out, R)
+    for d, disp in enumerate(dispatched):
+        if not isinstance(disp, Dispatched):
+            raise ValueError(f"dispatched[{d}] must be a Dispatched, got {type(disp).__name__}")
+    eo = []
+    for d, y in enumerate(expert_out):
+        y = np.asarray(y)
+        rows = dispatched[d].n_rows
+        if y.ndim != 2 or y.shape[1] != H or y.shape[0] < rows:
+            raise ValueError(f"expert_out[{d}] has shape {y.shape}; expected [>= {rows} rows "
+                             f"(dispatched[{d}].row_offsets[-1]), hidden={H}]")
+        if y.dtype not in (_F32, _BF16):
+            raise ValueError(f"expert_out[{d}] has dtype {y.dtype}; expected float32 or bfloat16")
+        eo.append(y)
+
+    weights = None
+    if topk_weights is not None:
+        weights = _check_list("topk_weights", topk_weights, R)
+        for r, w in enumerate(weights):
+            w = np.asarray(w)
+            if w.ndim != 2 or w.shape[1] != K:
+                raise ValueError(f"topk_weights[{r}] has shape {w.shape}; expected [N, top_k={K}]")
+            if w.dtype != _F32:
+                raise ValueError(f"topk_weights[{r}] has dtype {w.dtype}; expected float32")
+            weights[r] = w
+
+    n_tokens = _resolve_num_tokens(num_tokens, weights, dispatched, cfg)
+    n_slots = K + int(cfg.fused_shared_expert)
+
+    # Gather: every row goes back to (source rank, token, slot).
+    unreduced = [np.zeros((n_tokens[s], n_slots, H), np.float32) for s in range(R)]
+    filled = [np.zeros((n_tokens[s], n_slots), np.int64) for s in range(R)]
+    for d, disp in enumerate(dispatched):
+        rows = disp.n_rows
+        info = np.asarray(disp.src_info)[:rows]
+        srank = np.asarray(disp.src_rank)[:rows]
+        for s in range(R):
+            sel = np.flatnonzero(srank == s)
+            if sel.size == 0:
+                continue
+            if cfg.skip_a2a and s != d:
+                raise ValueError(f"dispatched[{d}] holds rows of source rank {s}, impossible with skip_a2a")
+            t, k = info[sel, 0], info[sel, 1]
+            if t.min() < 0 or t.max() >= n_tokens[s] or k.min() < 0 or k.max() >= n_slots:
+                raise ValueError(f"dispatched[{d}].src_info names a (token, k) outside [N={n_tokens[s]}, "
+                                 f"{n_slots}] for source rank {s}: it does not match topk_weights/num_tokens")
+            unreduced[s][t, k] = eo[d][sel].astype(np.float32)
+            np.add.at(filled[s], (t, k), 1)
+    for s in range(R):
+        if (filled[s] > 1).any():
+            raise ValueError(f"dispatched: some (token, k) of source rank {s} appears in more than one row")
+        # Without skip_a2a every routed slot has exactly one row; the shared slot always has one.
+        if not cfg.skip_a2a and (filled[s][:, :K] != 1).any():
+            raise ValueError(f"dispatched: some (token, k) of source rank {s} has no row (does dispatched match "
+                             f"topk_weights/num_tokens?)")
+        if cfg.fused_shared_expert and (filled[s][:, K] != 1).any():
+            raise ValueError(f"dispatched: some token of source rank {s} has no shared-expert row")
+
+    outs = []
+    for s in range(R):
+        if weights is None:
+            out = unreduced[s]
+        else:
+            w = weights[s]
+            out = np.zeros((n_tokens[s], H), np.float32)
+            for k in range(K):
+                prod = ftz(w[:, k:k + 1] * unreduced[s][:, k])
+                prod = np.where(filled[s][:, k:k + 1] > 0, prod, np.float32(0))
+                out = ftz(out + prod)
+            if cfg.fused_shared_expert:
+                out = ftz(out + unreduced[s][:, K])
+        if epilogue is not None:
+            res = np.asarray(epilogue(out, s))
+            if res.shape != out.shape:
+                raise ValueError(f"epilogue returned shape {res.shape} for rank {s}; expected {out.shape}")
+            out = res.astype(np.float32, copy=False)
+        outs.append(out)
+    return outs
+
+
+def _resolve_num_tokens(num_tokens, weights, dispatched: list[Dispatched], cfg: EPConfig) -> list[int]:
+    R = cfg.n_ranks
+    if num_tokens is not None:
+        num_tokens = _check_list("num_tokens", num_tokens, R)
+        n = []
+        for r, v in enumerate(num_tokens):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v <= cfg.max_tokens_per_rank:
+                raise ValueError(f"num_tokens[{r}]={v!r} must be an int in [0, max_tokens_per_rank="
+                                 f"{cfg.max_tokens_per_rank}]")
+            if weights is not None and weights[r].shape[0] != v:
+                raise ValueError(f"num_tokens[{r}]={v} disagrees with topk_weights[{r}] ({weights[r].shape[0]} rows)")
+            n.append(int(v))
+        return n
+    if weights is not None:
+        for r, w in enumerate(weights):
+            if w.shape[0] > cfg.max_tokens_per_rank:
+                raise ValueError(f"topk_weights[{r}] has {w.shape[0]} rows > max_tokens_per_rank="
+                                 f"{cfg.max_tokens_per_rank}")
+        return [w.shape[0] for w in weights]
+    if cfg.skip_a2a and not cfg.fused_shared_expert:
+        raise ValueError("num_tokens is required with skip_a2a, no fused shared expert and no topk_weights: a "
+                         "token routed to no local expert leaves no row to count")
+    # Every token has exactly one row with k = 0 (routed) or k = K (shared expert); count them per source rank.
+    marker = cfg.top_k if cfg.fused_shared_expert else 0
+    n = [0] * R
+    for disp in dispatched:
+        rows = disp.n_rows
+        info = np.asarray(disp.src_info)[:rows]
+        srank = np.asarray(disp.src_rank)[:rows]
+        hit = (info[:, 1] == marker) & (srank >= 0)
+        n = [n[s] + int(np.count_nonzero(hit & (srank == s))) for s in range(R)]
+    return n
+
+
+# ---- fused SwiGLU --------------------------------------------------------------------------------------------
+def fused_silu(h: np.ndarray, row_offsets: np.ndarray, fmt="bf16", interleaved: bool = False,
+               global_scale: float = 1.0):
+    """``silu(gate) * up`` of the rows below ``row_offsets[-1]``, as bf16 or quantized for the down GEMM.
+
+    Arithmetic (``docs/formats.md``, "Fused SwiGLU"): gate and up are read as float32 and flushed (FTZ);
+    ``sv = float32(g / (1 + exp(-g)))`` with ``g = float64(gate)``, flushed; ``y = sv * up`` as a float32
+    multiply, flushed; then ``bf16(y)`` (round to nearest even) or ``quantize(y, fmt, global_scale)``.
+
+    Args:
+        h: ``[rows_cap, 2I]`` float32 or ``ml_dtypes.bfloat16``: gate half then up half per row, or (interleaved)
+            gate/up alternating element by element. Rows at or past ``row_offsets[-1]`` are never read.
+        row_offsets: ``[G + 1]`` integer group offsets from dispatch (uint32); they also place the swizzled
+            scales of nvfp4/mxfp4.
+        fmt: ``"bf16" | "fp8" | "nvfp4" | "mxfp4"`` (or a :class:`~cuep.formats.Format`).
+        interleaved: gate/up interleaved element by element instead of two halves.
+        global_scale: float32 global scale of nvfp4.
+
+    Returns:
+        bf16: ``ml_dtypes.bfloat16 [rows, I]``; fp8: ``(payload uint8 [rows, I], scales float32 [I/128, rows])``;
+        nvfp4/mxfp4: ``(payload uint8 [rows, I/2], swizzled scales uint8 1-D, scales_offsets uint32 [G])``,
+        with ``rows = row_offsets[-1]``.
+
+    Raises:
+        ValueError: naming the argument (shape, dtype, odd width, I not a multiple of the format's group,
+            row_offsets not monotone or past the rows of h).
+    """
+    f = _resolve_format(fmt)
+    h = np.asarray(h)
+    if h.ndim != 2 or h.shape[1] % 2:
+        raise ValueError(f"h has shape {h.shape}; expected [rows, 2I]")
+    if h.dtype not in (_F32, _BF16):
+        raise ValueError(f"h has dtype {h.dtype}; expected float32 or bfloat16")
+    inter = h.shape[1] // 2
+    if f.quantized and inter % f.group:
+        raise ValueError(f"h has I={inter} columns per half; format {f.name!r} needs a multiple of {f.group}")
+    ro = np.asarray(row_offsets)
+    if ro.ndim != 1 or ro.size < 1 or not np.issubdtype(ro.dtype, np.integer):
+        raise ValueError(f"row_offsets must be a 1-D integer array [G + 1], got shape {ro.shape} dtype {ro.dtype}")
+    ro = ro.astype(np.int64)
+    if (ro < 0).any() or (np.diff(ro) < 0).any():
+        raise ValueError("row_offsets must be non-negative and non-decreasing")
+    rows = int(ro[-1])
+    if rows > h.shape[0]:
+        raise ValueError(f"row_offsets[-1]={rows} exceeds the rows of h ({h.shape[0]})")
+
+    x = h[:rows].astype(np.float32)
+    gate, up = (x[:, 0::2], x[:, 1::2]) if interleaved else (x[:, :inter], x[:, inter:])
+    g = ftz(np.ascontiguousarray(gate)).astype(np.float64)
+    up = ftz(np.ascontiguousarray(up))
+    with np.errstate(over="ignore"):  # exp(-g) = inf for very negative g: g / inf = -0, as on the GPU
+        sv = ftz((g / (1.0 + np.exp(-g))).astype(np.float32))
+    y = ftz(sv * up)
+
+    if f.name == "bf16":
+        return y.astype(_BF16)
+    payload, scale_rows = _encode(y, f, inter, global_scale)
+    scales, scales_offsets = _layout_scales(scale_rows, ro.astype(np.uint32), f, inter)
+    if f.name == "fp8":
+        return payload, scales
+    return payload, scales, scales_offsets

@@ -1,0 +1,76 @@
+"""Every kernel file compiles for sm_90 with the runtime's source and options, warnings as errors (CPU).
+
+CuPy compiles at run time with NVRTC and needs a GPU; here nvcc builds the same file with the same options
+(cuep._kernels.compile_options plus the flags CuPy adds itself), so CI catches a broken kernel without a GPU.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from cuep import _kernels, formats
+
+NVCC = shutil.which("nvcc") or next((p for p in ("/usr/local/cuda/bin/nvcc",) if os.path.exists(p)), None)
+
+
+@pytest.fixture(scope="module")
+def nvcc():
+    if NVCC is None:
+        if os.environ.get("CI"):
+            pytest.fail("nvcc not found: CI must compile every kernel (install the CUDA 13 toolkit)")
+        pytest.skip("nvcc not found")
+    return NVCC
+
+
+def test_there_are_kernel_files():
+    assert "common.cuh" in {p.name for p in _kernels.SRC_DIR.iterdir()}
+    assert _kernels.kernel_files(), "no .cu files in cuda_src"
+
+
+@pytest.mark.parametrize("filename", _kernels.kernel_files())
+def test_kernel_file_compiles_for_sm90(nvcc, filename, tmp_path):
+    cmd = _kernels.nvcc_command(filename, out=str(tmp_path / "k.cubin"))
+    cmd[0] = nvcc
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    msg = (res.stdout + res.stderr).strip()
+    assert res.returncode == 0, f"{' '.join(cmd)}\n{msg}"
+    assert "warning" not in msg.lower(), msg
+    assert (tmp_path / "k.cubin").stat().st_size > 0
+
+
+def test_options_match_runtime():
+    opts = _kernels.compile_options()
+    assert not any(o.startswith("-arch") for o in opts), "CuPy adds -arch itself; a second one breaks NVRTC"
+    assert f"-I{_kernels.SRC_DIR}" in opts
+    assert any(o.startswith("-DCUEP_SRC_HASH=") for o in opts)
+    cmd = _kernels.nvcc_command("x.cu")
+    for o in (*opts, *_kernels.CUPY_IMPLICIT_OPTIONS, "-arch=sm_90"):
+        assert o in cmd
+
+
+def test_source_hash_covers_headers(tmp_path, monkeypatch):
+    src = tmp_path / "cuda_src"
+    shutil.copytree(_kernels.SRC_DIR, src)
+    monkeypatch.setattr(_kernels, "SRC_DIR", src)
+    _kernels.source_hash.cache_clear()
+    before = _kernels.source_hash()
+    try:
+        assert _kernels.source_hash() == before
+        (src / "common.cuh").write_text((src / "common.cuh").read_text() + "\n// edit\n")
+        _kernels.source_hash.cache_clear()
+        assert _kernels.source_hash() != before
+    finally:
+        _kernels.source_hash.cache_clear()
+
+
+def _cuh_constants(text: str) -> dict[str, str]:
+    return dict(re.findall(r"constexpr\s+(?:int|float|double|int64_t|uint64_t)\s+(k\w+)\s*=\s*([^;]+);", text))
+
+
+def test_header_constants_match_python():
+    common = _cuh_constants((_kernels.SRC_DIR / "common.cuh").read_text())
+    assert int(common["kAlign"]) == formats.ALIGN

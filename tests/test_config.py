@@ -1,0 +1,91 @@
+"""EPConfig validation and derived sizes (CPU)."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from cuep import EPConfig
+from cuep.formats import ALIGN, FORMATS, MessageLayout, swizzled_scale_offset
+
+STD = dict(hidden=7168, top_k=8, n_experts=256, max_tokens_per_rank=4096, n_gpus_per_node=4)
+
+
+@pytest.mark.parametrize("kwargs, arg", [
+    (dict(n_experts=250), "n_experts"),               # E % R != 0
+    (dict(top_k=300, n_experts=256), "top_k"),        # K > E
+    (dict(max_tokens_per_rank=0), "max_tokens_per_rank"),
+    (dict(hidden=100), "hidden"),                     # not a multiple of 8 (bf16)
+    (dict(hidden=7168 + 64, dispatch_format="fp8"), "hidden"),
+    (dict(hidden=7168 + 16, dispatch_format="mxfp4"), "hidden"),
+    (dict(n_gpus_per_node=9, n_experts=252), "n_gpus_per_node"),
+    (dict(dispatch_format="int4"), "dispatch_format"),
+    (dict(combine_dtype="float16x"), "combine_dtype"),
+    (dict(top_k=0), "top_k"),
+    (dict(n_nodes=0), "n_nodes"),
+    (dict(hidden=True), "hidden"),
+])
+def test_config_rejects_bad_arguments_by_name(kwargs, arg):
+    with pytest.raises(ValueError, match=re.escape(arg)):
+        EPConfig(**{**STD, **kwargs})
+
+
+def test_config_is_frozen():
+    cfg = EPConfig(**STD)
+    with pytest.raises(Exception):
+        cfg.hidden = 1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("skip", [False, True])
+def test_derived_sizes(fmt, shared, skip):
+    cfg = EPConfig(**STD, dispatch_format=fmt, fused_shared_expert=shared, skip_a2a=skip)
+    R, T, K, L, H = 4, 4096, 8, 64, 7168
+    assert cfg.n_ranks == R and cfg.n_local_experts == L
+    assert cfg.n_groups == L + shared
+    assert cfg.row_offsets_len == L + shared + 1
+    src = 1 if skip else R
+    assert cfg.max_routed_rows == src * T * min(K, L)
+    pad = 3 if fmt == "fp8" else 0
+    assert cfg.capacity == src * T * K + (T if shared else 0) + cfg.n_groups * pad
+    m = cfg.message
+    for off in (m.src_offset, m.topk_ids_offset, m.topk_weights_offset, m.topk_rows_offset, m.scales_offset,
+                m.meta_bytes):
+        assert off % ALIGN == 0
+    assert m.payload_bytes == {"bf16": 2 * H, "fp8": H, "nvfp4": H // 2, "mxfp4": H // 2}[fmt]
+    assert m.scale_bytes == {"bf16": 0, "fp8": H // 128 * 4, "nvfp4": H // 16, "mxfp4": H // 32}[fmt]
+    assert m.topk_ids_offset >= 4 and m.topk_weights_offset >= m.topk_ids_offset + 2 * K
+    assert m.topk_rows_offset >= m.topk_weights_offset + 4 * K and m.scales_offset >= m.topk_rows_offset + 4 * K
+    assert m.meta_bytes >= m.scales_offset + m.scale_bytes and m.nbytes == m.payload_bytes + m.meta_bytes
+    assert cfg.buffer_regions["tokens"][1] == cfg.capacity * m.payload_bytes
+    assert cfg.buffer_regions["meta"][1] == src * T * m.meta_bytes
+    assert cfg.total_bytes == cfg.buffer_bytes + cfg.output_bytes
+    regions = sorted(cfg.buffer_regions.values())
+    for (o1, s1), (o2, _) in zip(regions, regions[1:]):
+        assert o1 % 256 == 0 and o1 + s1 <= o2
+    assert regions[-1][0] + regions[-1][1] <= cfg.buffer_bytes
+    assert cfg.describe()
+
+
+def test_memory_at_standard_shape_is_small():
+    """The spec's receive layout needs ~15 GB at this shape; ours sizes by what can arrive."""
+    cfg = EPConfig(**STD)
+    spec_recv = cfg.n_local_experts * cfg.n_ranks * cfg.max_tokens_per_rank * cfg.message.nbytes
+    assert spec_recv > 14e9
+    assert cfg.total_bytes < 2.5e9
+
+
+def test_message_layout_small():
+    m = MessageLayout.make(FORMATS["nvfp4"], 32, 1)
+    assert (m.payload_bytes, m.scale_bytes) == (16, 2)
+    assert (m.src_offset, m.topk_ids_offset, m.topk_weights_offset, m.topk_rows_offset, m.scales_offset,
+            m.meta_bytes) == (0, 16, 32, 48, 64, 80)
+
+
+def test_swizzled_offset_is_a_bijection_on_a_tile():
+    offs = {swizzled_scale_offset(r, c, 1) for r in range(128) for c in range(4)}
+    assert offs == set(range(512))
+    assert swizzled_scale_offset(0, 4, 2) == 512  # second K tile
+    assert swizzled_scale_offset(128, 0, 2) == 1024  # second row tile
+    assert swizzled_scale_offset(33, 2, 1) == 1 * 16 + 1 * 4 + 2
