@@ -56,6 +56,32 @@ def nvcc_command(filename: str, arch: str = "sm_90", out: str = "/dev/null") -> 
             str(SRC_DIR / filename)]
 
 
+def nvrtc_include_options() -> tuple[str, ...]:
+    """The include directories CuPy's RawModule hands NVRTC (its bundled CCCL and headers, and CUDA's)."""
+    import cupy
+
+    base = Path(cupy.__file__).resolve().parent / "_core" / "include"
+    cuda = Path(os.environ.get("CUDA_PATH", "/usr/local/cuda")) / "include"
+    return (*(f"-I{base / 'cupy' / '_cccl' / d}" for d in ("cub", "thrust", "libcudacxx")), f"-I{base}", f"-I{cuda}")
+
+
+def nvrtc_compile(filename: str, arch: str = "sm_90") -> tuple[bytes, str]:
+    """Compile ``cuda_src/<filename>`` with NVRTC, CuPy's runtime compiler, without a GPU: (cubin, log).
+
+    Same source and options as :func:`module` (plus the flags CuPy adds itself). Raises RuntimeError with the
+    compiler log on failure.
+    """
+    from cupy_backends.cuda.libs import nvrtc
+
+    prog = nvrtc.createProgram((SRC_DIR / filename).read_text(), filename, [], [])
+    opts = (*nvrtc_include_options(), *compile_options(), *CUPY_IMPLICIT_OPTIONS[1:], f"-arch={arch}")
+    try:
+        nvrtc.compileProgram(prog, opts)
+    except Exception as e:
+        raise RuntimeError(f"NVRTC failed on {filename}:\n{nvrtc.getProgramLog(prog)}") from e
+    return nvrtc.getCUBIN(prog), nvrtc.getProgramLog(prog)
+
+
 _lock = threading.Lock()
 _modules: dict[tuple[str, int], object] = {}
 _functions: dict[tuple[str, int, str], object] = {}

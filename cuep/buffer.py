@@ -75,7 +75,7 @@ def _host_mapped_int32(n: int) -> tuple[int, int, np.ndarray]:
 
     rt = cupy.cuda.runtime
     ptr = rt.hostAlloc(4 * n, 2)  # cudaHostAllocMapped
-    dptr = rt.hostGetDevicePointer(ptr, 0)
+    dptr = ptr  # unified virtual addressing (every 64-bit CUDA platform): the device sees the same address
     arr = np.ctypeslib.as_array((ctypes.c_int32 * n).from_address(ptr))
     arr[:] = 0
     return ptr, dptr, arr

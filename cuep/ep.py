@@ -92,9 +92,9 @@ def _launch_order(buf: Buffer, phases: int):
 
 def _dispatch_smem(buf: Buffer) -> int:
     cfg = buf.cfg
-    tally = 4 * cfg.n_source_ranks * (cfg.n_experts + 1)
-    send = tally + 4 * (-(-cfg.n_experts // 4) * 4) + 16 * -(-cfg.payload_bytes // 16) + 16 * -(
-        -cfg.message.scale_bytes // 16)
+    a16 = lambda n: -(-n // 16) * 16  # noqa: E731  (the kernel aligns every part to 16 bytes)
+    tally = a16(4 * cfg.n_source_ranks * (cfg.n_experts + 1))
+    send = tally + a16(4 * cfg.n_experts) + a16(cfg.payload_bytes) + a16(cfg.message.scale_bytes)
     recv = tally + 4 * (-(-(cfg.n_groups + 1) // 4) * 4 + cfg.n_groups)
     return max(send, recv)
 

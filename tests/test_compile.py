@@ -42,6 +42,28 @@ def test_kernel_file_compiles_for_sm90(nvcc, filename, tmp_path):
     assert (tmp_path / "k.cubin").stat().st_size > 0
 
 
+def _nvrtc_available() -> bool:
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+
+        nvrtc.getVersion()
+        return True
+    except Exception:
+        return False
+
+
+@pytest.mark.parametrize("filename", _kernels.kernel_files())
+def test_kernel_file_compiles_with_nvrtc(filename):
+    """NVRTC is what CuPy uses at run time: it has no C++ standard library, so this catches what nvcc hides."""
+    if not _nvrtc_available():
+        if os.environ.get("CI"):
+            pytest.fail("NVRTC not found: install the test extra (nvidia-cuda-nvrtc)")
+        pytest.skip("NVRTC not found")
+    cubin, log = _kernels.nvrtc_compile(filename)
+    assert len(cubin) > 0
+    assert "warning" not in log.lower(), log
+
+
 def test_options_match_runtime():
     opts = _kernels.compile_options()
     assert not any(o.startswith("-arch") for o in opts), "CuPy adds -arch itself; a second one breaks NVRTC"

@@ -234,7 +234,7 @@ template <typename TC>
 __device__ void combine_kernel(const long long* params, const CombineArgs& a, int phases) {
     __shared__ int s_flag;
     const EP ep{params};
-    if (has_error(ep)) return;
+    if (has_failed(ep)) return;
     const int round = *reinterpret_cast<volatile int*>(ep.counters() + C_COMB_ROUND);
     __syncthreads();
     if (phases & kPhaseNotify) phase_notify(ep, round);

@@ -1,7 +1,14 @@
 // cuep common device helpers: constants, 16-byte vector copies, memory-order primitives, block prefix sum,
 // completion signal and bounded spin-waits. One helper per idea; every kernel file includes this.
 #pragma once
-#include <cstdint>
+#include <cuda/std/cstdint>  // NVRTC has no C++ standard library; CCCL ships this one (nvcc and CuPy both find it)
+
+using cuda::std::int32_t;
+using cuda::std::int64_t;
+using cuda::std::uint8_t;
+using cuda::std::uint16_t;
+using cuda::std::uint32_t;
+using cuda::std::uint64_t;
 
 #ifndef CUEP_SRC_HASH
 #define CUEP_SRC_HASH 0ULL

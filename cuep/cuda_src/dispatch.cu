@@ -201,9 +201,10 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
     // 1. Every source's histogram of this round (also: every destination is ready for it).
     const uint64_t* flags = reinterpret_cast<const uint64_t*>(ep.local(ep[P_OFF_HIST_FLAG])) + par * n_src;
     if (!block_wait_flags_eq(flags, n_src, static_cast<uint64_t>(round) + 1, ep, K_DISPATCH_SEND, &s_ok)) return;
+    // shared memory: tallies | per-expert bases | the encoded token (16-byte aligned parts)
     int* s_tally = reinterpret_cast<int*>(smem);
-    int* s_base = s_tally + n_src * (E + 1);
-    uint8_t* s_msg = reinterpret_cast<uint8_t*>(s_base + align_up(E, 4));
+    int* s_base = reinterpret_cast<int*>(smem + align_up(4LL * n_src * (E + 1)));
+    uint8_t* s_msg = reinterpret_cast<uint8_t*>(smem + align_up(4LL * n_src * (E + 1)) + align_up(4LL * E));
     load_tallies(ep, par, s_tally);
     const int n_dest = ep[P_SKIP_A2A] ? 1 : R;
     for (int d = 0; d < n_dest; ++d) {
@@ -453,7 +454,7 @@ __device__ void dispatch_kernel(const long long* params, DispatchArgs a, int pha
     extern __shared__ __align__(16) char smem[];
     __shared__ int s_flag;
     const EP ep{params};
-    if (has_error(ep)) return;
+    if (has_failed(ep)) return;
     int* ctr = ep.counters();
     // Rounds are read once at entry: the last block of a phase advances them only after every block started.
     const int send_round = *reinterpret_cast<volatile int*>(ctr + C_DISP_ROUND);

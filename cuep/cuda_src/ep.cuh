@@ -106,8 +106,10 @@ __device__ __forceinline__ void report_error(const EP& ep, int status, int kerne
     }
 }
 
-__device__ __forceinline__ bool has_error(const EP& ep) {
-    return *reinterpret_cast<volatile int*>(ep.counters() + C_ERROR) != 0;
+// A failed wait leaves the protocol in an unknown state: later kernels of the rank return at once (until the host
+// resets the buffer). Bad routing input is only recorded: its choices are skipped and the round completes.
+__device__ __forceinline__ bool has_failed(const EP& ep) {
+    return *reinterpret_cast<volatile int*>(ep.counters() + C_ERROR) == kStatusTimeout;
 }
 
 // "Last block done" pattern: every block calls this once after its share of a phase (all threads); it returns true

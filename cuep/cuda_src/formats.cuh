@@ -13,7 +13,6 @@
 // -ftz=true, so they also flush subnormal operands and results to zero of the same sign, as the contract says.
 // Inputs are flushed explicitly with bit operations (ftz()), which does not depend on compiler flags.
 #pragma once
-#include <cstdint>
 #include <cuda_fp8.h>
 
 #include "common.cuh"
@@ -49,8 +48,6 @@ __device__ __forceinline__ float ftz(float x) {
     return (b & kExpMask) ? x : __uint_as_float(b & kSignBit);
 }
 
-// |x| by clearing the sign bit (exact, flag-independent; NaN stays NaN).
-__device__ __forceinline__ float abs_bits(float x) { return __uint_as_float(__float_as_uint(x) & ~kSignBit); }
 
 // 2**(biased - 127) built from its bits, biased in [0, 255]: 0 gives +0 (2**-127 is a subnormal, which an FTZ
 // operand is), 255 gives +Inf. Exact: no arithmetic.
@@ -94,14 +91,21 @@ __device__ __forceinline__ float e4m3_decode(uint32_t b) {
 }
 
 // ---- e2m1 ---------------------------------------------------------------------------------------------------
-// cvt_e2m1 by the threshold rule of docs/formats.md: round to nearest even on {0, .5, 1, 1.5, 2, 3, 4, 6},
-// saturating at 6; the sign bit (0x8) is the sign bit of v (-0.0 and tiny negatives give 0x8). Starting from the
-// top code and stepping down once per threshold |v| sits at or below, NaN gives magnitude 7, as the reference.
+// cvt_e2m1 of docs/formats.md: round to nearest even on {0, .5, 1, 1.5, 2, 3, 4, 6}, saturating at 6; the sign
+// bit (0x8) is the sign bit of v (-0.0 and tiny negatives give 0x8); NaN gives magnitude 7, as the reference.
+// The threshold rule is a round to nearest even on the grid of |v|'s range: [0, 2) has step 0.5 (codes 0..4),
+// [2, 4) step 1 (codes 4..6), [4, 6] step 2 (codes 6..7). Adding 2**22 / 2**23 / 2**24 (whose ulp is that step)
+// does the rounding in one float addition, and its ties to even are exactly the contract's even codes
+// (0.25 -> 0, 0.75 -> 1.0, 1.25 -> 1.0, 1.75 -> 2.0, 2.5 -> 2.0, 3.5 -> 4.0, 5.0 -> 4.0). Checked against the
+// reference over all 2**32 float32 bit patterns. fminf(NaN, 6) = 6 gives NaN the top code; fabsf flushes
+// subnormals (ftz), which the thresholds send to 0 anyway.
 __device__ __forceinline__ uint32_t e2m1_encode(float v) {
-    const float a = abs_bits(v);
-    const uint32_t mag = 7u - (a <= 5.0f) - (a < 3.5f) - (a <= 2.5f) - (a < 1.75f) - (a <= 1.25f) - (a < 0.75f) -
-                         (a <= 0.25f);
-    return mag | (__float_as_uint(v) >> 28 & 8u);
+    const float a = fminf(fabsf(v), kE2m1Max);
+    const bool lo = a < 2.0f, mid = a < 4.0f;
+    const float magic = lo ? 0x1p22f : (mid ? 0x1p23f : 0x1p24f);
+    const uint32_t first_code = lo ? 0u : (mid ? 2u : 4u);
+    const float t = __fadd_rn(a, magic);
+    return (__float_as_uint(t) - __float_as_uint(magic) + first_code) | (__float_as_uint(v) >> 28 & 8u);
 }
 
 // e2m1 code (0..15) -> float32, exact (code 8 is -0.0).
@@ -185,9 +189,9 @@ __device__ __forceinline__ Quant8<kFmt> warp_quantize8(const float (&v)[kLaneVal
     constexpr int kLanes = kLanesPerBlock<kFmt>;
     Quant8<kFmt> q;
     q.leader = (threadIdx.x % kLanes) == 0;
-    float a = abs_bits(v[0]);
+    float a = fabsf(v[0]);  // abs.ftz / max.ftz: subnormals count as 0, as the contract's flushed x
 #pragma unroll
-    for (int i = 1; i < kLaneValues; ++i) a = fmaxf(a, abs_bits(v[i]));
+    for (int i = 1; i < kLaneValues; ++i) a = fmaxf(a, fabsf(v[i]));
     const float amax = group_amax<kLanes>(a);
 
     if constexpr (kFmt == kFmtFp8) {
@@ -260,7 +264,7 @@ __device__ __forceinline__ void dequantize8(const typename FormatTraits<kFmt>::P
 // 16-byte read-only streaming load (the data is not written while the kernel runs).
 __device__ __forceinline__ uint4 load16_nc(const void* p) {
     uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                  : "l"(p));
     return v;
@@ -326,6 +330,9 @@ __device__ __forceinline__ void values8(const Raw8<T>& r, float (&v)[kLaneValues
 // A Source has `Raw load(col) const` (issue the loads of values [col, col + 8) of its row) and
 // `void values(const Raw&, float (&)[8]) const` (turn them into the values to quantize); splitting the two lets
 // warp_quantize_span keep several steps of loads in flight before the first use.
+// kFlush: flush subnormal inputs with bit operations. The quantizers do not need it: they read values only through
+// max.ftz, div.rn.ftz and mul.rn.ftz (-ftz=true), which flush them to zero of the same sign exactly as the
+// contract's "flush x first" does (tested with subnormal inputs); the bf16 "format" must not flush at all.
 template <class T, bool kFlush>
 struct RowSource {
     using Raw = Raw8<T>;

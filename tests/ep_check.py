@@ -1,0 +1,186 @@
+"""Run cuep dispatch/combine on a group and compare every output with cuep.reference (shared by the EP tests).
+
+Rows inside one (expert, source rank) block arrive in any order on the GPU; the reference puts them in ascending
+token order. Each block is therefore matched by its (token, k) keys before bytes are compared.
+"""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+import cuep
+from cuep import reference as ref
+from cuep.reference.quant import unswizzle_block_scales
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def random_routing(rng, n: int, cfg, skew: bool = False) -> np.ndarray:
+    """int32 [n, K] distinct experts per row; with skew, expert 0 is in almost every row."""
+    scores = rng.random((n, cfg.n_experts))
+    if skew:
+        scores[:, 0] += 10.0
+    return np.argsort(-scores, axis=1)[:, : cfg.top_k].astype(np.int32)
+
+
+def random_tokens(rng, n: int, h: int, dtype=BF16) -> np.ndarray:
+    """Fresh random rows whose magnitudes span several octaves (never zeros)."""
+    x = rng.standard_normal((n, h)).astype(np.float32) * np.exp2(rng.integers(-6, 6, size=(n, 1))).astype(np.float32)
+    return x.astype(dtype)
+
+
+def make_inputs(rng, cfg, n_tokens: list[int], skew=False, dtype=BF16):
+    if cfg.skip_a2a:  # every rank holds the same tokens
+        n = n_tokens[0]
+        x = random_tokens(rng, n, cfg.hidden, dtype)
+        ids = random_routing(rng, n, cfg, skew)
+        w = rng.random((n, cfg.top_k)).astype(np.float32)
+        return [x] * cfg.n_ranks, [ids] * cfg.n_ranks, [w] * cfg.n_ranks
+    xs = [random_tokens(rng, n, cfg.hidden, dtype) for n in n_tokens]
+    ids = [random_routing(rng, n, cfg, skew) for n in n_tokens]
+    ws = [rng.random((n, cfg.top_k)).astype(np.float32) for n in n_tokens]
+    return xs, ids, ws
+
+
+def to_devices(group, arrays):
+    import cupy
+
+    out = []
+    for dev, a in zip(group.devices, arrays):
+        with cupy.cuda.Device(dev):
+            out.append(cupy.asarray(a))
+    return out
+
+
+def poison_outputs(buf) -> None:
+    """Fill every dispatch output with a pattern the kernels never write, so unwritten elements show up."""
+    for r in buf._ranks:
+        import cupy
+
+        with cupy.cuda.Device(r.device):
+            r.tokens.view(np.uint8).fill(0xA5)
+            if r.scales is not None:
+                r.scales.view(np.uint8).fill(0xA5)
+            r.src_info.fill(-7)
+            r.row_offsets.fill(0xFFFFFFF)
+            r.expert_ids.fill(-7)
+            if r.scales_offsets is not None:
+                r.scales_offsets.fill(0xFFFFFFF)
+
+
+def gpu_row_perm(g_src_info, g_src_rank, r_src_info, r_src_rank, rows):
+    """perm[i] = reference row matching GPU row i (by source rank, token, k); padding rows map to themselves."""
+    key_to_ref = {}
+    for i in range(rows):
+        if r_src_info[i, 0] >= 0:
+            key_to_ref[(int(r_src_rank[i]), int(r_src_info[i, 0]), int(r_src_info[i, 1]))] = i
+    perm = np.empty(rows, dtype=np.int64)
+    for i in range(rows):
+        if g_src_info[i, 0] < 0:
+            perm[i] = i
+        else:
+            perm[i] = key_to_ref.pop((int(g_src_rank[i]), int(g_src_info[i, 0]), int(g_src_info[i, 1])))
+    assert not key_to_ref, f"rows missing on the GPU: {list(key_to_ref)[:5]}"
+    return perm
+
+
+def check_dispatch(buf, got, want, cfg) -> list[np.ndarray]:
+    """Assert each rank's GPU dispatch equals the reference; return each rank's GPU->reference row permutation."""
+    perms = []
+    for r, (d, w) in enumerate(zip(got, want)):
+        ro = d.row_offsets.get()
+        np.testing.assert_array_equal(ro, w.row_offsets, err_msg=f"rank {r} row_offsets")
+        np.testing.assert_array_equal(d.expert_ids.get(), w.expert_ids, err_msg=f"rank {r} expert_ids")
+        rows = int(ro[-1])
+        si = d.src_info.get()[:rows]
+        src_rank = buf._ranks[r].row_src.get()[:rows]
+        # padding rows exactly where the reference has them; each (source, token, k) exactly once
+        np.testing.assert_array_equal(si[:, 0] < 0, w.src_info[:, 0] < 0, err_msg=f"rank {r} padding rows")
+        # every row stays inside its (expert, source) block
+        for g in range(cfg.n_groups):
+            a, b = int(ro[g]), int(ro[g + 1])
+            np.testing.assert_array_equal(np.sort(src_rank[a:b]), np.sort(w.src_rank[a:b]),
+                                          err_msg=f"rank {r} group {g} sources")
+            real = src_rank[a:b][src_rank[a:b] >= 0]
+            np.testing.assert_array_equal(real, np.sort(real), err_msg=f"rank {r} group {g}: source-rank order")
+        perm = gpu_row_perm(si, src_rank, w.src_info, w.src_rank, rows)
+        np.testing.assert_array_equal(si, w.src_info[perm], err_msg=f"rank {r} src_info")
+        tok = d.tokens.get()[:rows]
+        np.testing.assert_array_equal(tok.view(np.uint8), w.tokens[perm].view(np.uint8), err_msg=f"rank {r} tokens")
+        if cfg.fmt.name == "fp8":
+            sc = d.scales.get()[:, :rows]
+            np.testing.assert_array_equal(sc.view(np.uint32), w.scales[:, perm].view(np.uint32),
+                                          err_msg=f"rank {r} fp8 scales")
+        elif cfg.fmt.swizzled_scales:
+            so = d.scales_offsets.get()
+            np.testing.assert_array_equal(so, w.scales_offsets, err_msg=f"rank {r} scales_offsets")
+            sw = d.scales.get()
+            got_rows = unswizzle_block_scales(sw, ro, cfg.fmt.name, cfg.hidden)
+            want_rows = unswizzle_block_scales(w.scales, ro, cfg.fmt.name, cfg.hidden)
+            np.testing.assert_array_equal(got_rows, want_rows[perm], err_msg=f"rank {r} block scales")
+            # padding of every used tile is zero: re-swizzling the rows reproduces the GPU's bytes exactly
+            re, _ = ref.swizzle_block_scales(got_rows, ro, cfg.fmt.name, cfg.hidden)
+            np.testing.assert_array_equal(sw[: re.size], re, err_msg=f"rank {r} scale tile padding")
+        perms.append(perm)
+    return perms
+
+
+def run_round(buf, cfg, rng, n_tokens, *, skew=False, weights_at="dispatch", check_unreduced=True, dtype=BF16,
+              global_scale=1.0, async_halves=False, residual=False):
+    """One dispatch + combine round on the GPU and in the reference; asserts everything matches."""
+    import cupy
+
+    group = buf.group
+    xs, ids, ws = make_inputs(rng, cfg, n_tokens, skew, dtype)
+    rx = [x.astype(np.float32) if x.dtype == BF16 else x for x in xs]
+    want = ref.dispatch([np.asarray(x) for x in xs], ids, cfg, global_scale=global_scale)
+    gx, gids, gws = to_devices(group, xs), to_devices(group, ids), to_devices(group, ws)
+    poison_outputs(buf)
+    if async_halves:
+        pend = cuep.dispatch_async(buf, gx, gids, gws if weights_at == "dispatch" else None,
+                                   global_scale=global_scale)
+        got = cuep.dispatch_wait(pend)
+    else:
+        got = cuep.dispatch(buf, gx, gids, gws if weights_at == "dispatch" else None, global_scale=global_scale)
+    buf.synchronize()
+    perms = check_dispatch(buf, got, want, cfg)
+
+    # expert outputs: random per (source, token, k) key, laid out in each side's row order
+    cdt = BF16 if cfg.combine_dtype == "bfloat16" else np.dtype(np.float32)
+    eo_ref, eo_gpu = [], []
+    for r, (w, perm) in enumerate(zip(want, perms)):
+        rows = w.n_rows
+        e = rng.standard_normal((rows, cfg.hidden)).astype(cdt)
+        eo_ref.append(e)
+        full = np.full((cfg.capacity, cfg.hidden), np.nan, dtype=cdt)
+        full[:rows] = e[perm]
+        eo_gpu.append(full)
+    g_eo = to_devices(group, eo_gpu)
+    res_np = [rng.standard_normal((n, cfg.hidden)).astype(cdt) for n in [x.shape[0] for x in xs]] if residual else None
+    kw = {}
+    if residual:
+        kw["residual"] = to_devices(group, res_np)
+    if weights_at == "combine":
+        out = cuep.combine(buf, g_eo, got, gws, **kw)
+        wref = ws
+    elif weights_at == "dispatch":
+        out = cuep.combine(buf, g_eo, got, **kw)
+        wref = ws
+    else:
+        out = cuep.combine(buf, g_eo, got)
+        wref = None
+    buf.synchronize()
+    want_c = ref.combine([e.astype(np.float32) for e in eo_ref], want, wref, cfg,
+                         num_tokens=[x.shape[0] for x in xs])
+    for r, (o, wc) in enumerate(zip(out, want_c)):
+        o = o.get().astype(np.float32)
+        if residual:
+            wc = wc + res_np[r].astype(np.float32)
+        assert o.shape == wc.shape, (o.shape, wc.shape)
+        if wref is None:  # unreduced: exact copies
+            np.testing.assert_array_equal(o, wc, err_msg=f"rank {r} unreduced combine")
+        else:
+            scale = max(1.0, float(np.abs(wc).max())) if wc.size else 1.0
+            tol = 2e-2 if cdt == BF16 else 1e-5
+            np.testing.assert_allclose(o, wc, rtol=tol, atol=tol * scale, err_msg=f"rank {r} combine")
+    return got

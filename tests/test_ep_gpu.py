@@ -1,0 +1,172 @@
+"""Dispatch and combine on the GPU against cuep.reference.
+
+`gpu` tests simulate R ranks on one GPU (the protocol runs phase by phase, rank by rank, on one stream): every
+byte of the contract is checked without several GPUs. `multigpu` tests run the same bodies with one rank per GPU.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cuep
+from ep_check import BF16, make_inputs, run_round, to_devices
+from conftest import N_GPUS
+
+FORMATS = ["bf16", "fp8", "nvfp4", "mxfp4"]
+
+
+def make(devices, **kw):
+    cfg = cuep.EPConfig(**{**dict(hidden=1024, top_k=8, n_experts=32, max_tokens_per_rank=48,
+                                  n_gpus_per_node=len(devices)), **kw})
+    return cfg, cuep.Buffer(cuep.init(devices), cfg, timeout_s=5.0)
+
+
+def groups():
+    out = [pytest.param([0, 0], id="sim2", marks=pytest.mark.gpu),
+           pytest.param([0, 0, 0, 0], id="sim4", marks=pytest.mark.gpu)]
+    for n in (2, 4, 8):
+        out.append(pytest.param(list(range(n)), id=f"gpu{n}",
+                                marks=[pytest.mark.multigpu,
+                                       pytest.mark.skipif(N_GPUS < n, reason=f"needs {n} GPUs")]))
+    return out
+
+
+@pytest.mark.parametrize("devices", groups())
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shared, skip", [(False, False), (True, False), (False, True), (True, True)])
+def test_round_matches_reference(devices, fmt, shared, skip, rng):
+    cfg, buf = make(devices, dispatch_format=fmt, fused_shared_expert=shared, skip_a2a=skip)
+    R = len(devices)
+    n = [cfg.max_tokens_per_rank] * R if skip else [0] + [int(rng.integers(1, 48)) for _ in range(R - 2)] + [48]
+    run_round(buf, cfg, rng, n, weights_at="dispatch")
+    run_round(buf, cfg, rng, n, weights_at="combine", residual=True, async_halves=True)
+    run_round(buf, cfg, rng, n, weights_at=None)
+
+
+@pytest.mark.parametrize("devices", groups())
+@pytest.mark.parametrize("hidden, top_k, fmt", [(2048, 1, "bf16"), (7168, 8, "fp8"), (7168, 8, "bf16"),
+                                                 (2048, 8, "nvfp4"), (7168, 4, "mxfp4")])
+def test_shapes_and_skew(devices, hidden, top_k, fmt, rng):
+    cfg, buf = make(devices, hidden=hidden, top_k=top_k, dispatch_format=fmt, max_tokens_per_rank=64)
+    R = len(devices)
+    run_round(buf, cfg, rng, [64] * R, skew=True)
+    run_round(buf, cfg, rng, [int(rng.integers(0, 65)) for _ in range(R)], weights_at="combine",
+              dtype=np.float32, global_scale=3.0)
+
+
+@pytest.mark.parametrize("devices", groups())
+def test_hundred_rounds_with_changing_routing(devices, rng):
+    cfg, buf = make(devices, hidden=256, dispatch_format="fp8", max_tokens_per_rank=32, n_experts=16)
+    R = len(devices)
+    for i in range(100):
+        n = [int(rng.integers(0, 33)) for _ in range(R)]
+        run_round(buf, cfg, rng, n, skew=(i % 7 == 0), weights_at=["dispatch", "combine"][i % 2])
+
+
+@pytest.mark.parametrize("devices", groups())
+def test_cuda_graph_replay(devices, rng):
+    """dispatch -> (a stand-in expert op) -> combine captured once and replayed with new inputs in place."""
+    import cupy
+
+    cfg, buf = make(devices, hidden=512, max_tokens_per_rank=32)
+    R = len(devices)
+    xs, ids, ws = make_inputs(rng, cfg, [32] * R)
+    gx, gids, gws = to_devices(buf.group, xs), to_devices(buf.group, ids), to_devices(buf.group, ws)
+    eo = []
+    for dev in buf.group.devices:
+        with cupy.cuda.Device(dev):
+            eo.append(cupy.zeros((cfg.capacity, cfg.hidden), dtype=BF16))
+    # warm up (compiles, allocates persistent outputs) outside the capture
+    d = cuep.dispatch(buf, gx, gids, gws)
+    out = cuep.combine(buf, eo, d)
+    buf.synchronize()
+    assert len(set(buf.group.devices)) == 1, "graph test captures one device's stream"
+    with cupy.cuda.Device(buf.group.devices[0]):
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            stream.begin_capture()
+            d = cuep.dispatch(buf, gx, gids, gws)
+            for i in range(R):  # identity experts on bf16: copy the dispatched rows
+                eo[i][...] = d[i].tokens
+            out = cuep.combine(buf, eo, d)
+            graph = stream.end_capture()
+        for _ in range(3):
+            xs2, ids2, ws2 = make_inputs(rng, cfg, [32] * R)
+            for i in range(R):
+                gx[i][...] = cupy.asarray(xs2[i])
+                gids[i][...] = cupy.asarray(ids2[i])
+                gws[i][...] = cupy.asarray(ws2[i])
+            graph.launch(stream)
+            stream.synchronize()
+            buf.check()
+            for i in range(R):
+                want = xs2[i].astype(np.float32) * ws2[i].sum(1, keepdims=True)
+                np.testing.assert_allclose(out[i].get().astype(np.float32), want, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.gpu
+def test_wait_times_out_with_a_clear_error_and_recovers(rng):
+    """Only rank 0 runs its send half: it must give up after the timeout, report whom it waited for, and the
+    buffer must work again after reset()."""
+    import cupy
+    from cuep import ep as ep_mod
+
+    cfg = cuep.EPConfig(hidden=256, top_k=2, n_experts=8, max_tokens_per_rank=16, n_gpus_per_node=2)
+    buf = cuep.Buffer(cuep.init([0, 0]), cfg, timeout_s=0.2)
+    xs, ids, ws = make_inputs(rng, cfg, [16, 16])
+    gx, gids = to_devices(buf.group, xs), to_devices(buf.group, ids)
+    r = buf._ranks[0]
+    fn = ep_mod._kernel("dispatch.cu:cuep_dispatch_bf16_from_bf16", ep_mod._dispatch_smem(buf))
+    z = ep_mod._NULL
+    fn((buf.num_sms,), (512,), (r.params, gx[0], gids[0], z, np.int32(16), np.float32(1), z, r.row_offsets,
+                                r.expert_ids, z, r.src_info, r.row_src, r.row_weight, r.msg_rows, r.msg_token,
+                                r.msg_j, r.msg_count, np.int32(3)), shared_mem=ep_mod._dispatch_smem(buf))
+    cupy.cuda.Device(0).synchronize()
+    with pytest.raises(cuep.EPError, match="timed out.*rank 1"):
+        buf.check()
+    with pytest.raises(cuep.EPError):  # the next call refuses to run on a failed buffer
+        cuep.dispatch(buf, gx, gids)
+    buf.reset()
+    run_round(buf, cfg, rng, [16, 16])
+
+
+@pytest.mark.gpu
+def test_bad_expert_ids_are_reported_and_skipped(rng):
+    import cupy
+
+    cfg = cuep.EPConfig(hidden=256, top_k=2, n_experts=8, max_tokens_per_rank=16, n_gpus_per_node=2)
+    buf = cuep.Buffer(cuep.init([0, 0]), cfg, timeout_s=2.0)
+    xs, ids, ws = make_inputs(rng, cfg, [16, 16])
+    ids[1][3, 1] = 99
+    gx, gids = to_devices(buf.group, xs), to_devices(buf.group, ids)
+    cuep.dispatch(buf, gx, gids)
+    cupy.cuda.Device(0).synchronize()
+    with pytest.raises(cuep.EPError, match="out of range.*99"):
+        buf.check()
+    buf.reset()
+    run_round(buf, cfg, rng, [16, 16])
+
+
+@pytest.mark.gpu
+def test_bad_arguments_raise_before_launch(rng):
+    import cupy
+
+    cfg = cuep.EPConfig(hidden=256, top_k=2, n_experts=8, max_tokens_per_rank=16, n_gpus_per_node=2)
+    buf = cuep.Buffer(cuep.init([0, 0]), cfg)
+    xs, ids, ws = make_inputs(rng, cfg, [16, 16])
+    gx, gids = to_devices(buf.group, xs), to_devices(buf.group, ids)
+    with pytest.raises(ValueError, match="max_tokens_per_rank"):
+        cuep.dispatch(buf, [cupy.zeros((17, 256), BF16)] * 2, [cupy.zeros((17, 2), np.int32)] * 2)
+    with pytest.raises(TypeError, match="topk_ids.*int32"):
+        cuep.dispatch(buf, gx, [g.astype(np.int64) for g in gids])
+    with pytest.raises(ValueError, match="hidden"):
+        cuep.dispatch(buf, [g[:, :128].copy() for g in gx], gids)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        cuep.dispatch(buf, [cupy.asfortranarray(g) for g in gx], gids)
+    with pytest.raises(ValueError, match="2 rank"):
+        cuep.dispatch(buf, gx[:1], gids[:1])
+    with pytest.raises(ValueError, match="cfg.n_ranks"):
+        cuep.Buffer(cuep.init([0, 0, 0]), cfg)
+    with pytest.raises(NotImplementedError, match="multi-node"):
+        cuep.Buffer(cuep.init([0, 0]), cuep.EPConfig(256, 2, 8, 16, n_gpus_per_node=1, n_nodes=2))
+    run_round(buf, cfg, rng, [16, 16])  # nothing was corrupted
