@@ -22,7 +22,8 @@ def make(devices, **kw):
 
 
 def groups():
-    out = [pytest.param([0, 0], id="sim2", marks=pytest.mark.gpu),
+    out = [pytest.param([0], id="gpu1", marks=pytest.mark.gpu),  # one real rank: the fused single-launch path
+           pytest.param([0, 0], id="sim2", marks=pytest.mark.gpu),
            pytest.param([0, 0, 0, 0], id="sim4", marks=pytest.mark.gpu)]
     for n in (2, 4, 8):
         out.append(pytest.param(list(range(n)), id=f"gpu{n}",
@@ -37,7 +38,9 @@ def groups():
 def test_round_matches_reference(devices, fmt, shared, skip, rng):
     cfg, buf = make(devices, dispatch_format=fmt, fused_shared_expert=shared, skip_a2a=skip)
     R = len(devices)
-    n = [cfg.max_tokens_per_rank] * R if skip else [0] + [int(rng.integers(1, 48)) for _ in range(R - 2)] + [48]
+    # a rank with no tokens, ranks with some, and one with N = T
+    n = [cfg.max_tokens_per_rank] * R if skip else [
+        48 if r == R - 1 else (0 if r == 0 else int(rng.integers(1, 48))) for r in range(R)]
     run_round(buf, cfg, rng, n, weights_at="dispatch")
     run_round(buf, cfg, rng, n, weights_at="combine", residual=True, async_halves=True)
     run_round(buf, cfg, rng, n, weights_at=None)

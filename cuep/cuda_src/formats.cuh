@@ -8,10 +8,11 @@
 //   reduced with __shfl_xor_sync inside that group; every lane writes its own payload bytes and the block's first
 //   lane (the leader) its scale.
 //
-// Arithmetic: every float32 multiply and divide of the contract is an explicit __fmul_rn / __fdiv_rn, which are
-// IEEE round-to-nearest and never contracted into an FMA (-fmad cannot change a result); CuPy compiles with
-// -ftz=true, so they also flush subnormal operands and results to zero of the same sign, as the contract says.
-// Inputs are flushed explicitly with bit operations (ftz()), which does not depend on compiler flags.
+// Arithmetic: every float32 multiply and divide of the contract is an explicit __fmul_rn / __fdiv_rn (and the
+// double ones of fused_silu __dadd_rn / __ddiv_rn), IEEE round-to-nearest and never contracted into an FMA, so
+// -fmad cannot change a result. CuPy compiles with -ftz=true: these, fabsf and fmaxf flush subnormal operands and
+// results to zero of the same sign, which is the contract's FTZ policy (the PTX shows div.rn.ftz, mul.rn.ftz,
+// max.ftz). Conversions the flag does not cover are done with bit operations (bf16, e4m3/e2m1 decode, ftz()).
 #pragma once
 #include <cuda_fp8.h>
 
@@ -48,7 +49,6 @@ __device__ __forceinline__ float ftz(float x) {
     return (b & kExpMask) ? x : __uint_as_float(b & kSignBit);
 }
 
-
 // 2**(biased - 127) built from its bits, biased in [0, 255]: 0 gives +0 (2**-127 is a subnormal, which an FTZ
 // operand is), 255 gives +Inf. Exact: no arithmetic.
 __device__ __forceinline__ float pow2_from_biased(uint32_t biased) { return __uint_as_float(biased << 23); }
@@ -70,7 +70,9 @@ __device__ __forceinline__ void bf16x2_to_float(uint32_t w, float& lo, float& hi
     hi = __uint_as_float(w & 0xFFFF0000u);
 }
 
-__device__ __forceinline__ uint32_t bf16x2_encode(float lo, float hi) { return bf16_encode(lo) | bf16_encode(hi) << 16; }
+__device__ __forceinline__ uint32_t bf16x2_encode(float lo, float hi) {
+    return bf16_encode(lo) | bf16_encode(hi) << 16;
+}
 
 // ---- e4m3 (float8_e4m3fn) ---------------------------------------------------------------------------------
 // cvt_e4m3 of two values: round to nearest even, saturating to +-448 (NaN stays NaN); `lo` in the low byte.
@@ -86,8 +88,8 @@ __device__ __forceinline__ uint32_t e4m3_encode(float v) {
 __device__ __forceinline__ float e4m3_decode(uint32_t b) {
     const uint32_t sign = (b & 0x80u) << 24, exp = b >> 3 & 0xFu, man = b & 7u;
     if ((b & 0x7Fu) == 0x7Fu) return __uint_as_float(sign | 0x7FC00000u);
-    if (exp == 0) return __uint_as_float(sign | __float_as_uint(__fmul_rn(float(man), 0x1p-9f)));  // subnormal: man * 2**-9
-    return __uint_as_float(sign | (exp + 120u) << 23 | man << 20);                      // bias 7 -> bias 127
+    if (exp == 0) return __uint_as_float(sign | __float_as_uint(__fmul_rn(float(man), 0x1p-9f)));  // man * 2**-9
+    return __uint_as_float(sign | (exp + 120u) << 23 | man << 20);  // bias 7 -> bias 127
 }
 
 // ---- e2m1 ---------------------------------------------------------------------------------------------------
@@ -180,7 +182,8 @@ struct Quant8 {
     bool leader;                                   // first lane of its block: the one that stores the scale
 };
 
-// Quantize this lane's 8 values (already FTZ-flushed, as the contract flushes x first).
+// Quantize this lane's 8 values. Subnormal values need not be flushed first: they are read only through fabsf,
+// fmaxf, __fdiv_rn and __fmul_rn, which flush them under -ftz=true as the contract's "flush x first" does.
 // Called by ALL 32 lanes of the warp, converged: lanes whose values lie past the row pass zeros (their block is
 // then entirely out of the row, since blocks are aligned lane groups) and discard the result.
 template <int kFmt>
@@ -265,8 +268,8 @@ __device__ __forceinline__ void dequantize8(const typename FormatTraits<kFmt>::P
 __device__ __forceinline__ uint4 load16_nc(const void* p) {
     uint4 v;
     asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
     return v;
 }
 

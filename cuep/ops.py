@@ -1,0 +1,466 @@
+"""Single-GPU ops on CuPy arrays: quantize / dequantize token rows, swizzle block scales, fused SwiGLU.
+
+Every op reproduces :mod:`cuep.reference` bit for bit (``docs/formats.md``). Arguments are checked before any
+launch (``TypeError`` for a wrong type or dtype, ``ValueError`` for a wrong shape, layout, device or value, each
+naming the argument). Kernels come from ``cuep/cuda_src`` through :mod:`cuep._kernels` (compiled once per process
+and device); grids are sized from the SM count and the kernels' occupancy, and the kernels stride over the work.
+
+``fused_silu`` and ``swizzle_block_scales`` read the row count from ``row_offsets[-1]`` on the device: nothing is
+copied back to the host, so they can run inside a CUDA graph or right after ``dispatch`` without a sync.
+"""
+from __future__ import annotations
+
+import cupy
+import ml_dtypes
+import numpy as np
+
+from . import _kernels
+from .formats import SCALE_TILE_BYTES, SCALE_TILE_ROWS, Format, ceil_div, check_hidden, get_format
+
+__all__ = ["quantize", "dequantize", "swizzle_block_scales", "fused_silu"]
+
+_THREADS = 256        # kOpsThreads in cuda_src/formats.cuh (a CPU test checks they agree)
+_MAX_GROUPS = 4096    # kMaxGroups in cuda_src/formats.cuh: row_offsets of the swizzled layouts live in shared memory
+_WARP = 32
+_LANE_VALUES = 8      # values per lane per warp step
+_INT32_MAX = 2**31 - 1
+
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+_F32 = np.dtype(np.float32)
+_U8 = np.dtype(np.uint8)
+_U32 = np.dtype(np.uint32)
+_ROW_OFFSET_DTYPES = tuple(np.dtype(t) for t in (np.int32, np.uint32, np.int64, np.uint64))
+_DTYPE_SUFFIX = {_BF16: "bf16", _F32: "f32"}
+
+
+# ---- argument checks ------------------------------------------------------------------------------------------
+def _check_array(a, argname: str, dtypes, ndim: int, shape=None) -> None:
+    """Type, dtype, ndim, exact shape (None entries are free), C-contiguity and device of a CuPy array."""
+    if not isinstance(a, cupy.ndarray):
+        raise TypeError(f"{argname} must be a cupy.ndarray, got {type(a).__name__}")
+    dtypes = tuple(np.dtype(d) for d in dtypes)
+    if a.dtype not in dtypes:
+        raise TypeError(f"{argname} must have dtype {' or '.join(str(d) for d in dtypes)}, got {a.dtype}")
+    if a.ndim != ndim:
+        raise ValueError(f"{argname} must be {ndim}-D, got shape {a.shape}")
+    if shape is not None and any(want is not None and got != want for got, want in zip(a.shape, shape)):
+        want_s = ", ".join("*" if w is None else str(w) for w in shape)
+        raise ValueError(f"{argname} must have shape [{want_s}], got {a.shape}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{argname} must be C-contiguous (the kernels ignore strides); use cupy.ascontiguousarray")
+    dev = cupy.cuda.Device().id
+    if a.device.id != dev:
+        raise ValueError(f"{argname} is on device {a.device.id}, but the current device is {dev}")
+
+
+def _check_global_scale(global_scale) -> np.float32:
+    """nvfp4's g as float32: finite and a normal float32 > 0 (as cuep.reference checks it)."""
+    if isinstance(global_scale, (bool, np.bool_)):
+        raise ValueError(f"global_scale={global_scale!r} must be a finite float > 0")
+    try:
+        with np.errstate(all="ignore"):
+            g = np.float32(global_scale)
+    except (TypeError, ValueError):
+        raise ValueError(f"global_scale={global_scale!r} must be a finite float > 0") from None
+    if not (np.isfinite(g) and g >= np.finfo(np.float32).tiny):
+        raise ValueError(f"global_scale={global_scale!r} must be a finite float > 0 (a normal float32)")
+    return g
+
+
+def _check_hidden_arg(f: Format, hidden, argname: str = "hidden") -> int:
+    if isinstance(hidden, np.integer):
+        hidden = int(hidden)
+    if isinstance(hidden, bool):
+        raise ValueError(f"{argname}={hidden!r} must be a positive int")
+    check_hidden(f, hidden, argname)
+    if hidden > _INT32_MAX // 2:
+        raise ValueError(f"{argname}={hidden} is too large")
+    return hidden
+
+
+def _check_out_tuple(out, argname: str, n: int) -> tuple:
+    if not isinstance(out, (tuple, list)) or len(out) != n:
+        raise TypeError(f"{argname} must be a tuple of {n} cupy arrays, got {type(out).__name__}")
+    return tuple(out)
+
+
+def _check_row_offsets(row_offsets, capacity_name: str, capacity: int) -> tuple[cupy.ndarray, int]:
+    """row_offsets [G+1] of any 32/64-bit integer dtype -> (int32 view or copy on the device, G)."""
+    _check_array(row_offsets, "row_offsets", _ROW_OFFSET_DTYPES, 1)
+    n_groups = row_offsets.size - 1
+    if n_groups < 1:
+        raise ValueError(f"row_offsets must hold G + 1 >= 2 offsets, got shape {row_offsets.shape}")
+    if n_groups > _MAX_GROUPS:
+        raise ValueError(f"row_offsets has G={n_groups} groups; at most {_MAX_GROUPS} are supported")
+    if capacity > _INT32_MAX:
+        raise ValueError(f"{capacity_name}={capacity} rows exceed int32")
+    if row_offsets.dtype.itemsize == 4:
+        ro = row_offsets.view(np.int32)   # uint32 offsets < 2**31 read the same as int32
+    else:
+        ro = row_offsets.astype(np.int32)  # a device-side cast: no host sync
+    return ro, n_groups
+
+
+# ---- launch helpers -------------------------------------------------------------------------------------------
+_sm_count: dict[int, int] = {}
+_occupancy: dict[tuple[str, str, int, int], int] = {}
+
+
+def _kernel(filename: str, name: str):
+    return _kernels.function(filename, name)
+
+
+def _grid(filename: str, name: str, kernel, work_blocks: int, smem: int = 0) -> int:
+    """Blocks for a grid-stride kernel: enough for the work, at most what fits on the GPU at once."""
+    from cupy.cuda import driver
+
+    dev = cupy.cuda.Device().id
+    sms = _sm_count.get(dev)
+    if sms is None:
+        sms = _sm_count[dev] = cupy.cuda.Device(dev).attributes["MultiProcessorCount"]
+    key = (filename, name, dev, smem)
+    occ = _occupancy.get(key)
+    if occ is None:
+        occ = _occupancy[key] = max(1, driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.kernel.ptr,
+                                                                                        _THREADS, smem))
+    return max(1, min(int(work_blocks), sms * occ))
+
+
+def _launch(filename: str, name: str, work_blocks: int, args: tuple, smem: int = 0) -> None:
+    kern = _kernel(filename, name)
+    grid = _grid(filename, name, kern, work_blocks, smem)
+    kern((grid,), (_THREADS,), args, shared_mem=smem)
+
+
+def _warp_item_blocks(n_rows: int, hidden: int) -> int:
+    """Blocks that give every (row, warp step) its own warp: an upper bound on the useful grid."""
+    warps = n_rows * ceil_div(hidden, _WARP * _LANE_VALUES)
+    return ceil_div(warps, _THREADS // _WARP)
+
+
+def _bits(a: cupy.ndarray) -> cupy.ndarray:
+    """bf16 arrays travel to the kernels as their uint16 bits."""
+    return a.view(np.uint16) if a.dtype == _BF16 else a
+
+
+def _swizzle_tiles(capacity: int, n_groups: int) -> int:
+    """Row tiles the swizzled scales of `capacity` rows in `n_groups` groups can need (each group starts one)."""
+    return ceil_div(capacity, SCALE_TILE_ROWS) + n_groups
+
+
+# ---- quantize / dequantize --------------------------------------------------------------------------------------
+def quantize(x: cupy.ndarray, fmt: str, global_scale: float = 1.0, out=None) -> tuple[cupy.ndarray, cupy.ndarray]:
+    """Encode token rows in a wire format on the GPU, bit for bit as :func:`cuep.reference.quantize`.
+
+    Args:
+        x: cupy float32 or ``ml_dtypes.bfloat16`` [N, H], C-contiguous; H a multiple of the format's group
+            (bf16 8, fp8 128, nvfp4 16, mxfp4 32).
+        fmt: ``"bf16" | "fp8" | "nvfp4" | "mxfp4"``.
+        global_scale: nvfp4's global scale g (finite, > 0; rounded to float32); checked but unused otherwise.
+        out: optional ``(payload, scales)`` of the shapes and dtypes below, written in place.
+    Returns:
+        ``(payload, scales)``: payload uint8 [N, payload_bytes(H)] (bf16: 2H bytes; fp8: H e4m3 bytes; nvfp4 /
+        mxfp4: H/2 bytes, two e2m1 codes per byte, element 2i in the low nibble); scales uint8
+        [N, scale_bytes(H)] (fp8: H/128 float32, little-endian; nvfp4: H/16 e4m3; mxfp4: H/32 e8m0; bf16: [N, 0]).
+    Raises:
+        TypeError, ValueError: naming ``fmt``, ``x``, ``global_scale`` or ``out``.
+    """
+    f = get_format(fmt, "fmt")
+    _check_array(x, "x", (_F32, _BF16), 2)
+    n, h = x.shape
+    check_hidden(f, h, "x.shape[1]")
+    g = _check_global_scale(global_scale)
+    pshape, sshape = (n, f.payload_bytes(h)), (n, f.scale_bytes(h))
+    if out is None:
+        payload, scales = cupy.empty(pshape, _U8), cupy.empty(sshape, _U8)
+    else:
+        payload, scales = _check_out_tuple(out, "out", 2)
+        _check_array(payload, "out[0] (payload)", (_U8,), 2, pshape)
+        _check_array(scales, "out[1] (scales)", (_U8,), 2, sshape)
+    if n == 0:
+        return payload, scales
+    if f.name == "bf16" and x.dtype == _BF16:  # the bf16 "format" of bf16 input is the bytes themselves
+        payload[...] = x.view(_U8)
+        return payload, scales
+    name = f"quantize_{f.name}_{_DTYPE_SUFFIX[x.dtype]}"
+    _launch("quantize.cu", name, _warp_item_blocks(n, h),
+            (_bits(x), payload, scales, np.int64(n), np.int32(h), g))
+    return payload, scales
+
+
+def dequantize(payload: cupy.ndarray, scales: cupy.ndarray, fmt: str, hidden: int, global_scale: float = 1.0,
+               out=None) -> cupy.ndarray:
+    """Decode token rows on the GPU, bit for bit as :func:`cuep.reference.dequantize`.
+
+    fp8: ``q * s``; nvfp4: ``(q * sfv) / g``; mxfp4: ``q * 2**e`` (scale byte 0 counts as 0); bf16: widened.
+    float32 arithmetic with FTZ.
+
+    Args:
+        payload: cupy uint8 [N, payload_bytes(hidden)], as :func:`quantize` returns it.
+        scales: cupy uint8 [N, scale_bytes(hidden)] (bf16: [N, 0]).
+        fmt: ``"bf16" | "fp8" | "nvfp4" | "mxfp4"``.
+        hidden: H, a multiple of the format's group.
+        global_scale: nvfp4's g (finite, > 0).
+        out: optional cupy float32 [N, hidden].
+    Returns:
+        cupy float32 [N, hidden].
+    Raises:
+        TypeError, ValueError: naming the argument.
+    """
+    f = get_format(fmt, "fmt")
+    hidden = _check_hidden_arg(f, hidden)
+    _check_array(payload, "payload", (_U8,), 2, (None, f.payload_bytes(hidden)))
+    n = payload.shape[0]
+    _check_array(scales, "scales", (_U8,), 2, (n, f.scale_bytes(hidden)))
+    g = _check_global_scale(global_scale)
+    if out is None:
+        out = cupy.empty((n, hidden), _F32)
+    else:
+        _check_array(out, "out", (_F32,), 2, (n, hidden))
+    if n == 0:
+        return out
+    _launch("quantize.cu", f"dequantize_{f.name}", _warp_item_blocks(n, hidden),
+            (payload, scales, out, np.int64(n), np.int32(hidden), g))
+    return out
+
+
+# ---- 128x4 swizzled block scales ------------------------------------------------------------------------------
+def swizzle_block_scales(scales: cupy.ndarray, row_offsets: cupy.ndarray, fmt: str, hidden: int,
+                         out=None) -> tuple[cupy.ndarray, cupy.ndarray]:
+    """Lay per-row block scales out in the 128x4 tiles of block-scaled grouped GEMMs, on the GPU.
+
+    GPU version of :func:`cuep.reference.swizzle_block_scales`: each group g (rows ``row_offsets[g] ..
+    row_offsets[g+1]``) starts a fresh 128-row tile. The row count ``row_offsets[-1]`` is read on the device, so
+    the output is sized for the worst case; the bytes of the used tiles equal the reference's (padding rows and
+    columns 0), the bytes past them are left as they were (uninitialised when ``out`` is None).
+
+    Args:
+        scales: cupy uint8 [rows', H/block] per-row scales (nvfp4 e4m3, mxfp4 e8m0), as :func:`quantize` returns
+            them; rows at or past ``row_offsets[-1]`` (which must be <= rows') are ignored.
+        row_offsets: cupy int32/uint32/int64/uint64 [G+1], starting at 0, non-decreasing, G <= 4096 (not checked
+            on the host: invalid offsets give unspecified bytes, never an out-of-bounds write).
+        fmt: ``"nvfp4" | "mxfp4"``.
+        hidden: H.
+        out: optional ``(swizzled, scales_offsets)`` of the shapes and dtypes below.
+    Returns:
+        ``(swizzled, scales_offsets)``: swizzled uint8 [(ceil(rows'/128) + G) * k_tiles * 512] with
+        ``k_tiles = ceil(H/block/4)``; scales_offsets uint32 [G], ``tile_start[g] - row_offsets[g] // 128``.
+    Raises:
+        TypeError, ValueError: naming the argument.
+    """
+    f = get_format(fmt, "fmt")
+    if not f.swizzled_scales:
+        raise ValueError(f"fmt={fmt!r} has no swizzled block scales; use 'nvfp4' or 'mxfp4'")
+    hidden = _check_hidden_arg(f, hidden)
+    n_scales, k_tiles = f.n_scales(hidden), f.scale_k_tiles(hidden)
+    _check_array(scales, "scales", (_U8,), 2, (None, n_scales))
+    rows_cap = scales.shape[0]
+    ro, n_groups = _check_row_offsets(row_offsets, "scales.shape[0]", rows_cap)
+    max_tiles = _swizzle_tiles(rows_cap, n_groups)
+    sw_shape = (max_tiles * k_tiles * SCALE_TILE_BYTES,)
+    if out is None:
+        swizzled, scales_offsets = cupy.empty(sw_shape, _U8), cupy.empty((n_groups,), _U32)
+    else:
+        swizzled, scales_offsets = _check_out_tuple(out, "out", 2)
+        _check_array(swizzled, "out[0] (swizzled)", (_U8,), 1, sw_shape)
+        _check_array(scales_offsets, "out[1] (scales_offsets)", (_U32,), 1, (n_groups,))
+    smem = 2 * (n_groups + 1) * 4
+    work = max(rows_cap * k_tiles, n_groups * k_tiles * SCALE_TILE_ROWS)
+    _launch("quantize.cu", "swizzle_block_scales", ceil_div(work, _THREADS),
+            (scales, np.int64(rows_cap), np.int32(n_scales), ro, np.int32(n_groups), swizzled, scales_offsets,
+             np.int64(max_tiles)), smem)
+    return swizzled, scales_offsets
+
+
+# ---- fused SwiGLU ---------------------------------------------------------------------------------------------
+def fused_silu(h: cupy.ndarray, row_offsets: cupy.ndarray, out_fmt: str = "bf16", interleaved: bool = False,
+               global_scale: float = 1.0, out=None):
+    """``silu(gate) * up`` of the rows below ``row_offsets[-1]``, as bf16 or quantized for the down GEMM.
+
+    Bit for bit as :func:`cuep.reference.fused_silu`: gate and up flushed (FTZ), ``sv = float32(g / (1 +
+    exp(-g)))`` in double precision, ``y = sv * up`` in float32, then bf16 (RNE) or the quantizer of ``out_fmt``
+    with H = I. The row count is read on the device (no host sync); rows at or past it are neither read nor
+    written, in any output (pre-fill ``out`` if you need them defined).
+
+    Args:
+        h: cupy float32 or ``ml_dtypes.bfloat16`` [capacity, 2I], C-contiguous: gate half then up half per row, or
+            (``interleaved``) gate/up alternating element by element. I a multiple of the format's group.
+        row_offsets: cupy int32/uint32/int64/uint64 [G+1] group offsets from dispatch (0, non-decreasing,
+            ``row_offsets[-1] <= capacity``, G <= 4096; not checked on the host: invalid offsets give unspecified
+            bytes, never an out-of-bounds write). They place the swizzled scales of nvfp4/mxfp4.
+        out_fmt: ``"bf16" | "fp8" | "nvfp4" | "mxfp4"``.
+        interleaved: gate/up interleaved element by element instead of two halves.
+        global_scale: nvfp4's global scale g (finite, > 0).
+        out: optional preallocated outputs, the same shapes and dtypes as returned (an array for bf16, a tuple
+            otherwise).
+    Returns:
+        bf16: cupy ``ml_dtypes.bfloat16`` [capacity, I];
+        fp8: ``(payload uint8 [capacity, I], scales float32 [I/128, capacity])``;
+        nvfp4 / mxfp4: ``(payload uint8 [capacity, I/2], scales uint8 [(ceil(capacity/128) + G) * k_tiles * 512],
+        scales_offsets uint32 [G])``: 128x4 swizzled scales, ``k_tiles = ceil(I/block/4)``; every used tile is
+        fully written (padding 0), the bytes past them are left as they were.
+    Raises:
+        TypeError, ValueError: naming the argument.
+    """
+    f = get_format(out_fmt, "out_fmt")
+    _check_array(h, "h", (_F32, _BF16), 2)
+    cap, width = h.shape
+    if width % 2:
+        raise ValueError(f"h must be [capacity, 2I] with an even width, got shape {h.shape}")
+    inter = width // 2
+    check_hidden(f, inter, "h.shape[1] // 2 (I)")
+    g = _check_global_scale(global_scale)
+    ro, n_groups = _check_row_offsets(row_offsets, "h.shape[0] (capacity)", cap)
+
+    u8 = _U8
+    if f.name == "bf16":
+        shapes = [((cap, inter), _BF16)]
+    elif f.name == "fp8":
+        shapes = [((cap, inter), u8), ((f.n_scales(inter), cap), _F32)]
+    else:
+        max_tiles = _swizzle_tiles(cap, n_groups)
+        shapes = [((cap, f.payload_bytes(inter)), u8),
+                  ((max_tiles * f.scale_k_tiles(inter) * SCALE_TILE_BYTES,), u8), ((n_groups,), _U32)]
+    if out is None:
+        outs = [cupy.empty(s, d) for s, d in shapes]
+    else:
+        if f.name == "bf16":
+            outs = [out]
+            names = ["out"]
+        else:
+            outs = list(_check_out_tuple(out, "out", len(shapes)))
+            names = [f"out[{i}] ({n})" for i, n in enumerate(("payload", "scales", "scales_offsets"))]
+        for a, (s, d), nm in zip(outs, shapes, names):
+            _check_array(a, nm, (d,), len(s), s)
+
+    result = outs[0] if f.name == "bf16" else tuple(outs)
+    if cap == 0:
+        return result
+    dummy = outs[0]  # unused pointer arguments still need a valid array
+    scales = outs[1] if len(outs) > 1 else dummy
+    scales_offsets = outs[2] if len(outs) > 2 else dummy
+    max_tiles = _swizzle_tiles(cap, n_groups) if f.swizzled_scales else 0
+    smem = 2 * (n_groups + 1) * 4 if f.swizzled_scales else 0
+    name = f"fused_silu_{f.name}_{_DTYPE_SUFFIX[h.dtype]}" + ("_interleaved" if bool(interleaved) else "")
+    work = _warp_item_blocks(cap, inter)
+    if f.swizzled_scales:
+        work = max(work, ceil_div(n_groups * f.scale_k_tiles(inter) * SCALE_TILE_ROWS, _THREADS))
+    _launch("silu.cu", name, work,
+            (_bits(h), ro, np.int32(n_groups), np.int64(cap), np.int32(inter), _bits(outs[0]), scales,
+             scales_offsets, np.int64(max_tiles), g), smem)
+    return result
+
+
+# ---- self tests of the device helpers (private; tests/test_ops_gpu.py) ----------------------------------------
+def _check_aligned16(a: cupy.ndarray, argname: str) -> None:
+    if a.data.ptr % 16:
+        raise ValueError(f"{argname} must start on a 16-byte boundary")
+
+
+def _selftest_block_copy16(dst: cupy.ndarray, src: cupy.ndarray, nthreads: int) -> None:
+    """common.cuh block_copy16 of all of ``src`` into ``dst`` (uint8 1-D, 16-byte aligned, size a multiple of 16)
+    by one block of ``nthreads`` threads."""
+    _check_array(src, "src", (_U8,), 1)
+    _check_array(dst, "dst", (_U8,), 1, (src.size,))
+    _check_aligned16(src, "src")
+    _check_aligned16(dst, "dst")
+    if src.size % 16:
+        raise ValueError("src.size must be a multiple of 16")
+    _kernel("selftest.cu", "selftest_block_copy16")((1,), (int(nthreads),), (dst, src, np.int64(src.size)))
+
+
+def _selftest_warp_copy16(dst: cupy.ndarray, src: cupy.ndarray, warp: int, nthreads: int) -> None:
+    """common.cuh warp_copy16 by warp ``warp`` of one block of ``nthreads`` threads."""
+    _check_array(src, "src", (_U8,), 1)
+    _check_array(dst, "dst", (_U8,), 1, (src.size,))
+    _check_aligned16(src, "src")
+    _check_aligned16(dst, "dst")
+    _kernel("selftest.cu", "selftest_warp_copy16")((1,), (int(nthreads),),
+                                                   (dst, src, np.int64(src.size), np.int32(warp)))
+
+
+def _selftest_block_scan(values: cupy.ndarray) -> tuple[cupy.ndarray, cupy.ndarray]:
+    """common.cuh block_inclusive_scan, twice in a row, by one block of ``values.size`` threads (32..1024, a
+    multiple of 32). Returns (scans int32 [2, n]: of values and of 2*values+1; totals int32 [n, 2])."""
+    _check_array(values, "values", (np.int32,), 1)
+    n = values.size
+    if n < 32 or n > 1024 or n % 32:
+        raise ValueError(f"values.size={n} must be a multiple of 32 in [32, 1024]")
+    scans = cupy.empty((2, n), np.int32)
+    totals = cupy.empty((n, 2), np.int32)
+    _kernel("selftest.cu", "selftest_block_scan")((1,), (n,), (values, scans, totals))
+    return scans, totals
+
+
+def _selftest_signal_wait(n_payload: int, count: int, last: bool, timeout_ns: int) -> tuple[int, int, int]:
+    """signal_completion in one block, wait_not_empty_u64 + payload check in another.
+    Returns (value seen, payload words matched, wait ns)."""
+    slot = cupy.full((1,), np.uint64(2**64 - 1), np.uint64)
+    payload = cupy.zeros((max(1, n_payload),), np.uint64)
+    result = cupy.zeros((3,), np.uint64)
+    _kernel("selftest.cu", "selftest_signal_wait")((2,), (32,), (slot, payload, np.int64(n_payload),
+                                                                  np.uint64(count), np.int32(bool(last)),
+                                                                  np.uint64(timeout_ns), result))
+    v, ok, ns = (int(t) for t in result.get())
+    return v, ok, ns
+
+
+def _selftest_wait_timeout(timeout_ns: int) -> tuple[int, int]:
+    """wait_not_empty_u64 on a slot nobody writes. Returns (value: kEmpty = 2**64-1 after the timeout, wait ns)."""
+    slot = cupy.full((1,), np.uint64(2**64 - 1), np.uint64)
+    result = cupy.zeros((3,), np.uint64)
+    _kernel("selftest.cu", "selftest_wait_timeout")((1,), (32,), (slot, np.uint64(timeout_ns), result))
+    r = result.get()
+    return int(r[0]), int(r[2])
+
+
+def _selftest_align_up(n: cupy.ndarray, a: cupy.ndarray) -> tuple[cupy.ndarray, cupy.ndarray]:
+    """common.cuh align_up and ceil_div elementwise on int64 arrays. Returns (align_up, ceil_div)."""
+    _check_array(n, "n", (np.int64,), 1)
+    _check_array(a, "a", (np.int64,), 1, (n.size,))
+    out = cupy.empty((n.size, 2), np.int64)
+    if n.size:
+        _kernel("selftest.cu", "selftest_align_up")((ceil_div(n.size, _THREADS),), (_THREADS,),
+                                                    (n, a, out, np.int32(n.size)))
+    return out[:, 0], out[:, 1]
+
+
+def _selftest_encode(v: cupy.ndarray):
+    """formats.cuh element encoders on float32 values. Returns (e4m3 uint8, e2m1 uint8 codes, bf16 uint16 bits,
+    ftz float32), each the shape of ``v`` (1-D)."""
+    _check_array(v, "v", (_F32,), 1)
+    n = v.size
+    e4m3, e2m1 = cupy.empty(n, _U8), cupy.empty(n, _U8)
+    bf16, flushed = cupy.empty(n, np.uint16), cupy.empty(n, _F32)
+    if n:
+        _kernel("selftest.cu", "selftest_encode")((ceil_div(n, _THREADS),), (_THREADS,),
+                                                  (v, e4m3, e2m1, bf16, flushed, np.int64(n)))
+    return e4m3, e2m1, bf16, flushed
+
+
+def _selftest_decode() -> tuple[cupy.ndarray, cupy.ndarray]:
+    """formats.cuh decoders: (e4m3 of bytes 0..255, e2m1 of codes (0..255) & 15), float32 [256] each."""
+    out = cupy.empty((256, 2), _F32)
+    _kernel("selftest.cu", "selftest_decode")((1,), (256,), (out,))
+    return out[:, 0], out[:, 1]
+
+
+def _selftest_swizzled_offset(rows: cupy.ndarray, cols: cupy.ndarray, k_tiles: int) -> cupy.ndarray:
+    """formats.cuh swizzled_scale_offset elementwise (rows int64, cols int32). Returns int64."""
+    _check_array(rows, "rows", (np.int64,), 1)
+    _check_array(cols, "cols", (np.int32,), 1, (rows.size,))
+    out = cupy.empty(rows.size, np.int64)
+    if rows.size:
+        _kernel("selftest.cu", "selftest_swizzled_offset")((ceil_div(rows.size, _THREADS),), (_THREADS,),
+                                                           (rows, cols, np.int32(k_tiles), out,
+                                                            np.int32(rows.size)))
+    return out
+
+
+def _selftest_constants() -> dict[str, float]:
+    """The constants of formats.cuh / common.cuh as the device sees them."""
+    out = cupy.zeros(11, np.float64)
+    _kernel("selftest.cu", "selftest_constants")((1,), (1,), (out,))
+    keys = ("FP8_BLOCK", "FP8_MAX", "FP8_AMAX_FLOOR", "NVFP4_BLOCK", "MXFP4_BLOCK", "E2M1_MAX", "SCALE_TILE_ROWS",
+            "SCALE_TILE_COLS", "SCALE_TILE_BYTES", "ALIGN", "OPS_THREADS")
+    return dict(zip(keys, (float(v) for v in out.get())))
