@@ -4,12 +4,19 @@ One allocation per rank (a direct ``cudaMalloc`` through ``cupy.cuda.Memory``, s
 CUDA IPC), carved into the regions ``EPConfig.buffer_regions`` names; the same offsets on every rank, so a peer's
 region is its base address plus the offset. A small int64 parameter block per rank (sizes, offsets, the peer
 base table) is what every kernel reads; ``PARAM_FIELDS`` lists it in the order of ``enum Param`` in ``ep.cuh``.
+
+Who sees which base address is the group's business (:meth:`cuep.Group.share_buffers`): the pointers themselves
+when one process drives every rank, CUDA IPC mappings when each rank is its own process. With one process per
+rank, creating a buffer and :meth:`Buffer.reset` are collective (every rank calls them).
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
+import functools
 import logging
 import math
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,10 +31,10 @@ PARAM_FIELDS = [
     "payload_bytes", "scale_bytes", "row_align", "n_scales", "k_tiles", "n_groups", "shared", "skip_a2a",
     "capacity", "meta_bytes", "meta_ids", "meta_w", "meta_rows", "meta_scales", "combine_itemsize",
     "off_tokens", "off_comb_recv", "off_meta", "off_tally", "off_hist_flag", "off_disp_count", "off_comb_ready",
-    "off_comb_count", "off_counters", "timeout_ns", "err_ptr",
+    "off_comb_count", "off_counters", "off_scratch", "timeout_ns", "err_ptr",
 ] + [f"peer_base{i}" for i in range(8)]
 
-MAX_TOP_K = 64
+MAX_TOP_K = 32  # one warp lane per top-k choice
 EMPTY = np.uint64(0xFFFFFFFFFFFFFFFF)
 ERROR_STATUS = {1: "timed out waiting", 2: "expert id out of range", 3: "same expert twice in one token's top-k"}
 KERNEL_NAMES = {1: "dispatch (send)", 2: "dispatch (receive)", 3: "combine (send)", 4: "combine (receive)"}
@@ -85,13 +92,15 @@ class Buffer:
     """Symmetric communication memory and persistent outputs for one EP group (the ``ep_init`` step).
 
     Args:
-        group: from :func:`cuep.init` (one process, all GPUs).
+        group: from :func:`cuep.init` (one process, all GPUs) or :func:`cuep.init_distributed` (one process per
+            GPU; then every rank creates its buffer with the same ``cfg``, collectively).
         cfg: the group's sizes; ``cfg.n_ranks`` must equal ``group.n_ranks``.
         timeout_s: how long a device-side wait spins before it gives up and reports which rank it waited for.
         num_sms: blocks per kernel (one per SM); default all SMs of the device.
 
     The outputs of ``dispatch`` and ``combine`` live here and are reused: a result is valid until the next call
-    of the same kind on this buffer. Memory is reported (log line) before it is allocated.
+    of the same kind on this buffer. Memory is reported (log line) before it is allocated. :meth:`close` (also
+    run at interpreter exit) unmaps the peers' memory and frees this process's.
     """
 
     def __init__(self, group: Group, cfg: EPConfig, *, timeout_s: float = 5.0, num_sms: int | None = None):
@@ -109,6 +118,16 @@ class Buffer:
         if not (timeout_s > 0 and math.isfinite(timeout_s)):
             raise ValueError(f"timeout_s={timeout_s!r} must be a positive number of seconds")
         self.group, self.cfg, self.timeout_s = group, cfg, float(timeout_s)
+        self._launch_cache: dict = {}  # launch shapes per kernel family, computed once (device queries are slow)
+        self._ranks: list[_Rank] = []
+        self._mapped: list[int] = []
+        self._bases: list[int] = []
+        self._launched: set[str] = set()  # kernel files launched on this buffer (ep._before_launch)
+        theirs = group.allgather(repr(cfg).encode())  # symmetric offsets need the same cfg on every rank
+        odd = [r for r, c in enumerate(theirs) if c != theirs[0]]
+        if odd:
+            raise ValueError(f"rank(s) {odd} built their Buffer with a different EPConfig than rank 0: "
+                             f"{theirs[odd[0]].decode()} vs {theirs[0].decode()}")
         dev0 = group.devices[0]
         sms = cupy.cuda.Device(dev0).attributes["MultiProcessorCount"]
         self.num_sms = int(num_sms) if num_sms else sms
@@ -117,13 +136,14 @@ class Buffer:
         gib = 2**30
         log.info("cuep: allocating %.3f GiB symmetric + %.3f GiB outputs per rank on %d rank(s)",
                  cfg.buffer_bytes / gib, cfg.output_bytes / gib, group.n_local)
-        self._ranks: list[_Rank] = []
-        self._mapped: list[int] = []
         for rank, dev in zip(group.ranks, group.devices):
             with cupy.cuda.Device(dev):
                 self._ranks.append(self._alloc_rank(rank, dev))
+        self._bases = group.share_buffers([r.mem for r in self._ranks])
+        self._atexit = functools.partial(_close_at_exit, weakref.ref(self))
+        atexit.register(self._atexit)
         self._write_params()
-        self.reset()
+        self.reset()  # collective: no rank writes into a peer before every peer's memory is initialised
 
     # ---- set-up --------------------------------------------------------------------------------------------
     def _alloc_rank(self, rank: int, dev: int) -> _Rank:
@@ -164,11 +184,9 @@ class Buffer:
             msg_j=cupy.zeros(S * T, dtype=cupy.int32), msg_count=cupy.zeros(S, dtype=cupy.int32))
 
     def _peer_bases(self) -> list[int]:
-        """Base address of every rank's symmetric allocation, indexed by global rank (the transport seam)."""
-        bases = [0] * 8
-        for r in self._ranks:
-            bases[r.rank] = r.base
-        return bases
+        """Base address of every rank's symmetric allocation as this process sees it, indexed by global rank and
+        padded to the kernels' 8 slots (the group shared them: :meth:`cuep.Group.share_buffers`)."""
+        return list(self._bases) + [0] * (8 - len(self._bases))
 
     def _write_params(self) -> None:
         import cupy
@@ -187,7 +205,8 @@ class Buffer:
                 meta_w=m.topk_weights_offset, meta_rows=m.topk_rows_offset, meta_scales=m.scales_offset,
                 combine_itemsize=cfg.combine_itemsize, timeout_ns=int(self.timeout_s * 1e9), err_ptr=r.err_host_ptr,
                 **{f"off_{k}": regions[k][0] for k in ("tokens", "comb_recv", "meta", "tally", "hist_flag",
-                                                       "disp_count", "comb_ready", "comb_count", "counters")},
+                                                       "disp_count", "comb_ready", "comb_count", "counters",
+                                                       "scratch")},
                 **{f"peer_base{i}": bases[i] for i in range(8)})
             arr = np.array([v[f] for f in PARAM_FIELDS], dtype=np.int64)
             with cupy.cuda.Device(r.device):
@@ -197,12 +216,18 @@ class Buffer:
     def reset(self) -> None:
         """Re-arm every rank (counts empty, flags and counters zero, error cleared). Synchronises the devices.
 
-        Call it on every rank after an error, when no round is in flight.
+        Call it on every rank after an error, when no round is in flight. With one process per rank it is
+        collective: a barrier before (no peer still writes here) and after (no peer writes before every rank is
+        re-armed).
         """
         import cupy
 
         cfg = self.cfg
         reg = cfg.buffer_regions
+        for r in self._ranks:  # this rank's own work first, so the barrier below means "every rank is idle"
+            with cupy.cuda.Device(r.device):
+                cupy.cuda.Device().synchronize()
+        self.group.barrier()
         for r in self._ranks:
             with cupy.cuda.Device(r.device):
                 cupy.cuda.Device().synchronize()
@@ -215,6 +240,7 @@ class Buffer:
                     rt.memset(r.base + off, 0xFF, size)
                 cupy.cuda.Device().synchronize()
             r.err_host[:] = 0
+        self.group.barrier()
 
     def check(self) -> None:
         """Raise :class:`EPError` if a kernel of any local rank reported a failure (reads host-mapped memory; no
@@ -241,16 +267,29 @@ class Buffer:
         self.check()
 
     def close(self) -> None:
-        """Free device and mapped memory (also at garbage collection)."""
+        """Unmap the peers' memory (IPC handles), free this process's (also at exit and garbage collection).
+
+        Not collective. With one process per rank, close after the last round has completed on every rank
+        (e.g. after a ``group.barrier()``): a peer still running a round would write into freed memory.
+        Arrays that still reference the buffer's outputs keep that device memory alive.
+        """
         import cupy
 
-        for p in self._mapped:
-            try:
-                cupy.cuda.runtime.freeHost(p)
-            except Exception:
-                pass
-        self._mapped = []
-        self._ranks = []
+        hook, self._atexit = getattr(self, "_atexit", None), None
+        if hook is not None:
+            atexit.unregister(hook)
+        bases, self._bases = getattr(self, "_bases", []), []
+        try:
+            if bases:
+                self.group.release_buffers(bases)
+        finally:
+            for p in getattr(self, "_mapped", []):
+                try:
+                    cupy.cuda.runtime.freeHost(p)
+                except Exception:
+                    pass
+            self._mapped = []
+            self._ranks = []  # drops the last references to the cupy.cuda.Memory allocations: cudaFree
 
     def __del__(self):
         try:
@@ -260,3 +299,13 @@ class Buffer:
 
     def __repr__(self) -> str:
         return f"Buffer({self.group!r}, {self.cfg.describe()})"
+
+
+def _close_at_exit(ref) -> None:
+    """atexit hook of one buffer (a weak reference: the hook never keeps a buffer alive)."""
+    buf = ref()
+    if buf is not None:
+        try:
+            buf.close()
+        except Exception:
+            pass

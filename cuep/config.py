@@ -171,7 +171,8 @@ class EPConfig:
                  ("meta", S * T * self.message.meta_bytes),
                  ("tally", 4 * 2 * S * (E + 1)), ("hist_flag", 8 * 2 * S), ("disp_count", 8 * S),
                  ("comb_ready", 8 * self.n_ranks), ("comb_count", 8 * self.n_ranks),
-                 ("counters", 4 * self.n_counters)]
+                 ("counters", 4 * self.n_counters),
+                 ("scratch", 4 * T * (self.top_k + 8))]
         out, off = {}, 0
         for name, size in sizes:
             out[name] = (off, size)

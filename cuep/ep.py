@@ -1,12 +1,23 @@
 """Dispatch and combine: the functional API over a :class:`cuep.Buffer`.
 
-Every call takes one array per local rank (a list; a bare array when the process drives a single rank) and
-returns the same. Launches for all local devices go out back to back, each on its device's current stream; there
-is no host synchronisation inside a round, so dispatch -> grouped GEMM -> combine can be captured in a CUDA graph.
-When several ranks share one device (protocol testing), the phases run rank by rank on that device's stream.
+Every call takes one array per local rank (a list; a bare array when the process drives a single rank, as with
+one process per GPU) and returns the same. Launches for all local devices go out back to back, each on its
+device's current stream; there is no host synchronisation inside a round, so dispatch -> grouped GEMM -> combine
+can be captured in a CUDA graph. With one process per GPU each process launches its own rank's fused kernel and
+the kernels meet through the peers' memory.
+
+When several ranks share one device (protocol testing) a fused kernel could spin waiting for a rank whose kernel
+cannot run until it finishes, so the phases (notify, send, receive) run as separate launches:
+
+* one process, several ranks per device: every rank's notify, then every rank's send, then every rank's receive,
+  in that order on the device's stream (the stream orders them);
+* one process per rank, processes sharing a GPU (:attr:`cuep.Group.phase_barrier`): before each phase every
+  process synchronises its stream and waits at a host barrier, so each phase starts only once every rank has
+  finished the previous one, the same order as above. Tests only: slow, and not capturable in a CUDA graph.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -76,6 +87,7 @@ def _check_array(a, name: str, device: int, dtypes, ndim: int):
         raise ValueError(f"{name} must be C-contiguous (use cupy.ascontiguousarray)")
 
 
+@functools.lru_cache(maxsize=1)
 def _bf16():
     import ml_dtypes
 
@@ -83,26 +95,76 @@ def _bf16():
 
 
 def _launch_order(buf: Buffer, phases: int):
-    """(rank index, phase bits) in launch order: fused per rank, or phase by phase when ranks share a device."""
+    """(rank index, phase bits) in launch order: fused per rank, or phase by phase when ranks share a device
+    (in this process, or across processes: :attr:`cuep.Group.phase_barrier`)."""
     ranks = range(len(buf._ranks))
-    if not buf.group.shares_devices:
+    if not (buf.group.shares_devices or buf.group.phase_barrier):
         return [(i, phases) for i in ranks]
     return [(i, p) for p in (PHASE_NOTIFY, PHASE_SEND, PHASE_RECV) if phases & p for i in ranks]
 
 
-def _dispatch_smem(buf: Buffer) -> int:
+def _before_launch(buf: Buffer, source: str) -> None:
+    """The host-side ordering one process per rank needs before a launch of a kernel from ``source``.
+
+    * :attr:`cuep.Group.phase_barrier` (ranks share a GPU): finish this rank's queued work, then wait until every
+      rank has, so this phase never waits on a peer phase that is still queued behind another process's kernel.
+    * otherwise, the first launch from ``source`` on this buffer: a barrier after compiling, so that no rank's
+      bounded device-side wait runs out while a peer is still compiling the same kernels.
+    """
+    group = buf.group
+    if group.kind != "ipc":
+        return
+    if group.phase_barrier:
+        import cupy
+
+        with cupy.cuda.Device(group.devices[0]):
+            cupy.cuda.get_current_stream().synchronize()
+        group.barrier()
+    elif source not in buf._launched:
+        buf._launched.add(source)
+        group.barrier()
+
+
+def _dispatch_launch(buf: Buffer, staged: bool) -> tuple[int, int]:
+    """(threads per block, dynamic shared memory) of the dispatch kernel.
+
+    The send phase keeps every source's tallies and the per-expert bases in shared memory, plus, when the token
+    must be encoded (a quantized format, or bf16 from float32), one staging area per warp; warps are cut so the
+    block still fits the device's shared memory.
+    """
+    cached = buf._launch_cache.get(("dispatch", staged))
+    if cached:
+        return cached
+    import cupy
+
     cfg = buf.cfg
     a16 = lambda n: -(-n // 16) * 16  # noqa: E731  (the kernel aligns every part to 16 bytes)
     tally = a16(4 * cfg.n_source_ranks * (cfg.n_experts + 1))
-    send = tally + a16(4 * cfg.n_experts) + a16(cfg.payload_bytes) + a16(cfg.message.scale_bytes)
+    fixed = tally + a16(4 * cfg.n_experts)
+    staging = a16(cfg.payload_bytes) + a16(cfg.message.scale_bytes) if staged else 0
+    limit = cupy.cuda.Device(buf._ranks[0].device).attributes["MaxSharedMemoryPerBlockOptin"] - 2048
+    warps = _THREADS // 32
+    if staging:
+        warps = min(warps, (limit - fixed) // staging)
+        if warps < 1:
+            raise ValueError(f"hidden={cfg.hidden}: one encoded token ({staging} B) does not fit in shared memory "
+                             f"next to the tallies ({fixed} B); dispatch bf16 input or a smaller hidden size")
     recv = tally + 4 * (-(-(cfg.n_groups + 1) // 4) * 4 + cfg.n_groups)
-    return max(send, recv)
+    buf._launch_cache[("dispatch", staged)] = out = (32 * warps, max(fixed + warps * staging, recv))
+    return out
+
+
+_smem_set: dict[tuple[int, str], int] = {}
 
 
 def _kernel(name: str, smem: int):
-    fn = _kernels.function(name.split(":")[0], name.split(":")[1])
-    if smem > 48 * 1024:
+    """The kernel ``file.cu:name`` for the current device, allowed ``smem`` bytes of dynamic shared memory."""
+    file, fname = name.split(":")
+    fn = _kernels.function(file, fname)
+    key = (id(fn), fname)
+    if smem > 48 * 1024 and _smem_set.get(key, 0) < smem:
         fn.max_dynamic_shared_size_bytes = smem
+        _smem_set[key] = smem
     return fn
 
 
@@ -136,7 +198,6 @@ def _dispatch(buf: Buffer, x, topk_ids, topk_weights, global_scale: float, phase
     ws = _as_list(topk_weights, n, "topk_weights") if topk_weights is not None else [None] * n
     _validate_dispatch(buf, xs, ids, ws, global_scale)
     cfg = buf.cfg
-    smem = _dispatch_smem(buf)
     results = []
     for i, r in enumerate(buf._ranks):
         results.append(Dispatched(
@@ -147,13 +208,15 @@ def _dispatch(buf: Buffer, x, topk_ids, topk_weights, global_scale: float, phase
         r = buf._ranks[i]
         with cupy.cuda.Device(r.device):
             src = "bf16" if xs[i].dtype == _bf16() else "f32"
+            threads, smem = _dispatch_launch(buf, staged=cfg.fmt.name != "bf16" or src != "bf16")
             fn = _kernel(f"dispatch.cu:cuep_dispatch_{cfg.fmt.name}_from_{src}", smem)
+            _before_launch(buf, "dispatch.cu")
             sc = r.scales if r.scales is not None else None
             args = (r.params, xs[i], ids[i], ws[i] if ws[i] is not None else _NULL, np.int32(xs[i].shape[0]),
                     np.float32(global_scale), sc if sc is not None else _NULL, r.row_offsets, r.expert_ids,
                     r.scales_offsets if r.scales_offsets is not None else _NULL, r.src_info, r.row_src,
                     r.row_weight, r.msg_rows, r.msg_token, r.msg_j, r.msg_count, np.int32(ph))
-            fn((buf.num_sms,), (_THREADS,), args, shared_mem=smem)
+            fn((buf.num_sms,), (threads,), args, shared_mem=smem)
     return results
 
 
@@ -190,18 +253,19 @@ def dispatch_wait(pending):
     buf = items[0]._buffer
     buf.check()
     cfg = buf.cfg
-    smem = _dispatch_smem(buf)
+    threads, smem = _dispatch_launch(buf, staged=False)
     by_rank = {d.rank: d for d in items}
     for i, ph in _launch_order(buf, PHASE_RECV):
         r = buf._ranks[i]
         d = by_rank[r.rank]
         with cupy.cuda.Device(r.device):
             fn = _kernel(f"dispatch.cu:cuep_dispatch_{cfg.fmt.name}_from_bf16", smem)
+            _before_launch(buf, "dispatch.cu")
             args = (r.params, _NULL, _NULL, _NULL, np.int32(d.num_tokens), np.float32(1.0),
                     r.scales if r.scales is not None else _NULL, r.row_offsets, r.expert_ids,
                     r.scales_offsets if r.scales_offsets is not None else _NULL, r.src_info, r.row_src,
                     r.row_weight, r.msg_rows, r.msg_token, r.msg_j, r.msg_count, np.int32(ph))
-            fn((buf.num_sms,), (_THREADS,), args, shared_mem=smem)
+            fn((buf.num_sms,), (threads,), args, shared_mem=smem)
     return pending
 
 
@@ -258,6 +322,7 @@ def _combine(buf: Buffer, expert_out, dispatched, topk_weights, residual, phases
         r, d = buf._ranks[i], ds[i]
         with cupy.cuda.Device(r.device):
             fn = _kernels.function("combine.cu", f"cuep_combine_{suffix}")
+            _before_launch(buf, "combine.cu")
             args = (r.params, eos[i], r.src_info, r.row_src, r.row_weight, r.msg_rows, r.msg_token, r.msg_j,
                     r.msg_count, r.row_offsets, d._topk_ids, ws[i] if ws[i] is not None else _NULL,
                     res[i] if res[i] is not None else _NULL, outs[i], np.int32(d.num_tokens), np.int32(modes[i]),

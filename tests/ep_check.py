@@ -2,6 +2,9 @@
 
 Rows inside one (expert, source rank) block arrive in any order on the GPU; the reference puts them in ascending
 token order. Each block is therefore matched by its (token, k) keys before bytes are compared.
+
+The same functions serve one process per GPU (tests/ipc_worker.py): every process draws the inputs of ALL ranks
+from the same seeded generator and computes the reference for all ranks, runs its own rank, and checks it.
 """
 from __future__ import annotations
 
@@ -85,15 +88,19 @@ def gpu_row_perm(g_src_info, g_src_rank, r_src_info, r_src_rank, rows):
 
 
 def check_dispatch(buf, got, want, cfg) -> list[np.ndarray]:
-    """Assert each rank's GPU dispatch equals the reference; return each rank's GPU->reference row permutation."""
+    """Assert each local rank's GPU dispatch equals the reference; return each one's GPU->reference row permutation.
+
+    ``got`` and ``want`` hold one entry per local rank of ``buf`` (in ``buf._ranks`` order).
+    """
     perms = []
-    for r, (d, w) in enumerate(zip(got, want)):
+    for i, (d, w) in enumerate(zip(got, want)):
+        r = d.rank
         ro = d.row_offsets.get()
         np.testing.assert_array_equal(ro, w.row_offsets, err_msg=f"rank {r} row_offsets")
         np.testing.assert_array_equal(d.expert_ids.get(), w.expert_ids, err_msg=f"rank {r} expert_ids")
         rows = int(ro[-1])
         si = d.src_info.get()[:rows]
-        src_rank = buf._ranks[r].row_src.get()[:rows]
+        src_rank = buf._ranks[i].row_src.get()[:rows]
         # padding rows exactly where the reference has them; each (source, token, k) exactly once
         np.testing.assert_array_equal(si[:, 0] < 0, w.src_info[:, 0] < 0, err_msg=f"rank {r} padding rows")
         # every row stays inside its (expert, source) block
@@ -125,54 +132,75 @@ def check_dispatch(buf, got, want, cfg) -> list[np.ndarray]:
     return perms
 
 
-def run_round(buf, cfg, rng, n_tokens, *, skew=False, weights_at="dispatch", check_unreduced=True, dtype=BF16,
-              global_scale=1.0, async_halves=False, residual=False):
-    """One dispatch + combine round on the GPU and in the reference; asserts everything matches."""
-    import cupy
+def _call(fn, bare: bool, *args, **kw) -> list:
+    """``fn`` on the per-rank lists, or (``bare``: one local rank) on their single entries; a list back."""
+    if not bare:
+        return fn(*args, **kw)
+    one = lambda v: v[0] if isinstance(v, list) else v  # noqa: E731
+    return [fn(*map(one, args), **{k: one(v) for k, v in kw.items()})]
 
+
+def run_round(buf, cfg, rng, n_tokens, *, skew=False, weights_at="dispatch", check_unreduced=True, dtype=BF16,
+              global_scale=1.0, async_halves=False, residual=False, bare=False):
+    """One dispatch + combine round on the GPU and in the reference; asserts everything matches.
+
+    Inputs and expert outputs of every rank are drawn from ``rng`` (so processes with equally seeded generators
+    agree on them); the kernels run and are checked for the ranks ``buf`` drives in this process. ``bare``
+    (a process driving one rank) passes bare arrays instead of one-entry lists.
+    """
     group = buf.group
+    mine = list(group.ranks)  # the global ranks this process drives
+    local = lambda arrays: [arrays[r] for r in mine]  # noqa: E731
     xs, ids, ws = make_inputs(rng, cfg, n_tokens, skew, dtype)
-    rx = [x.astype(np.float32) if x.dtype == BF16 else x for x in xs]
-    want = ref.dispatch([np.asarray(x) for x in xs], ids, cfg, global_scale=global_scale)
-    gx, gids, gws = to_devices(group, xs), to_devices(group, ids), to_devices(group, ws)
+    want_all = ref.dispatch([np.asarray(x) for x in xs], ids, cfg, global_scale=global_scale)
+    want = local(want_all)
+    gx, gids, gws = to_devices(group, local(xs)), to_devices(group, local(ids)), to_devices(group, local(ws))
     poison_outputs(buf)
+    if group.kind == "ipc":  # peers write into this rank's outputs: every rank poisons before any rank sends
+        import cupy
+
+        cupy.cuda.get_current_stream().synchronize()
+        group.barrier()
+    if bare and len(mine) != 1:
+        raise ValueError(f"bare arrays need a process that drives one rank; this one drives {len(mine)}")
     if async_halves:
-        pend = cuep.dispatch_async(buf, gx, gids, gws if weights_at == "dispatch" else None,
-                                   global_scale=global_scale)
-        got = cuep.dispatch_wait(pend)
+        pend = _call(cuep.dispatch_async, bare, buf, gx, gids, gws if weights_at == "dispatch" else None,
+                     global_scale=global_scale)
+        got = _call(cuep.dispatch_wait, bare, pend)
     else:
-        got = cuep.dispatch(buf, gx, gids, gws if weights_at == "dispatch" else None, global_scale=global_scale)
+        got = _call(cuep.dispatch, bare, buf, gx, gids, gws if weights_at == "dispatch" else None,
+                    global_scale=global_scale)
     buf.synchronize()
     perms = check_dispatch(buf, got, want, cfg)
 
     # expert outputs: random per (source, token, k) key, laid out in each side's row order
     cdt = BF16 if cfg.combine_dtype == "bfloat16" else np.dtype(np.float32)
-    eo_ref, eo_gpu = [], []
-    for r, (w, perm) in enumerate(zip(want, perms)):
-        rows = w.n_rows
-        e = rng.standard_normal((rows, cfg.hidden)).astype(cdt)
-        eo_ref.append(e)
+    eo_ref = [rng.standard_normal((w.n_rows, cfg.hidden)).astype(cdt) for w in want_all]
+    eo_gpu = []
+    for r, perm in zip(mine, perms):
+        rows = want_all[r].n_rows
         full = np.full((cfg.capacity, cfg.hidden), np.nan, dtype=cdt)
-        full[:rows] = e[perm]
+        full[:rows] = eo_ref[r][perm]
         eo_gpu.append(full)
     g_eo = to_devices(group, eo_gpu)
     res_np = [rng.standard_normal((n, cfg.hidden)).astype(cdt) for n in [x.shape[0] for x in xs]] if residual else None
     kw = {}
     if residual:
-        kw["residual"] = to_devices(group, res_np)
+        kw["residual"] = to_devices(group, local(res_np))
     if weights_at == "combine":
-        out = cuep.combine(buf, g_eo, got, gws, **kw)
+        out = _call(cuep.combine, bare, buf, g_eo, got, gws, **kw)
         wref = ws
     elif weights_at == "dispatch":
-        out = cuep.combine(buf, g_eo, got, **kw)
+        out = _call(cuep.combine, bare, buf, g_eo, got, **kw)
         wref = ws
     else:
-        out = cuep.combine(buf, g_eo, got)
+        out = _call(cuep.combine, bare, buf, g_eo, got)
         wref = None
     buf.synchronize()
-    want_c = ref.combine([e.astype(np.float32) for e in eo_ref], want, wref, cfg,
+    want_c = ref.combine([e.astype(np.float32) for e in eo_ref], want_all, wref, cfg,
                          num_tokens=[x.shape[0] for x in xs])
-    for r, (o, wc) in enumerate(zip(out, want_c)):
+    for r, o in zip(mine, out):
+        wc = want_c[r]
         o = o.get().astype(np.float32)
         if residual:
             wc = wc + res_np[r].astype(np.float32)

@@ -119,11 +119,12 @@ def test_wait_times_out_with_a_clear_error_and_recovers(rng):
     xs, ids, ws = make_inputs(rng, cfg, [16, 16])
     gx, gids = to_devices(buf.group, xs), to_devices(buf.group, ids)
     r = buf._ranks[0]
-    fn = ep_mod._kernel("dispatch.cu:cuep_dispatch_bf16_from_bf16", ep_mod._dispatch_smem(buf))
+    threads, smem = ep_mod._dispatch_launch(buf, staged=False)
+    fn = ep_mod._kernel("dispatch.cu:cuep_dispatch_bf16_from_bf16", smem)
     z = ep_mod._NULL
-    fn((buf.num_sms,), (512,), (r.params, gx[0], gids[0], z, np.int32(16), np.float32(1), z, r.row_offsets,
+    fn((buf.num_sms,), (threads,), (r.params, gx[0], gids[0], z, np.int32(16), np.float32(1), z, r.row_offsets,
                                 r.expert_ids, z, r.src_info, r.row_src, r.row_weight, r.msg_rows, r.msg_token,
-                                r.msg_j, r.msg_count, np.int32(3)), shared_mem=ep_mod._dispatch_smem(buf))
+                                r.msg_j, r.msg_count, np.int32(3)), shared_mem=smem)
     cupy.cuda.Device(0).synchronize()
     with pytest.raises(cuep.EPError, match="timed out.*rank 1"):
         buf.check()

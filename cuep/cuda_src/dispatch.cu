@@ -39,25 +39,6 @@ struct DispatchArgs {
     int* msg_count;             // [n_src]
 };
 
-// Encode one token row into shared memory with the whole block: payload bytes and per-row (message) scales.
-// Each warp takes 256-value spans of the row in turn (formats.cuh's warp quantizer).
-template <int FMT, typename T>
-__device__ __forceinline__ void encode_row_block(const T* x_row, int hidden, uint8_t* payload, uint8_t* scales,
-                                                 float global_scale) {
-    const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, n_warps = blockDim.x / kWarp;
-    if constexpr (FMT == kFmtBf16) {
-        const RowSource<T, false> src{x_row};
-        for (int col0 = warp * kWarpSpan; col0 < hidden; col0 += n_warps * kWarpSpan)
-            warp_quantize_span<FMT, 1>(src, col0, hidden, payload, NoScales{}, global_scale, lane);
-    } else {
-        const RowSource<T, true> src{x_row};
-        using S = typename FormatTraits<FMT>::Scale;
-        const RowScales<S> sink{reinterpret_cast<S*>(scales)};
-        for (int col0 = warp * kWarpSpan; col0 < hidden; col0 += n_warps * kWarpSpan)
-            warp_quantize_span<FMT, 1>(src, col0, hidden, payload, sink, global_scale, lane);
-    }
-}
-
 // Scale row of local row `row` of group g in the 128x4 tiled layout.
 __device__ __forceinline__ long long swizzle_row(const unsigned* s_tile_start, const unsigned* s_row_offsets, int g,
                                                  long long row) {
@@ -65,19 +46,19 @@ __device__ __forceinline__ long long swizzle_row(const unsigned* s_tile_start, c
 }
 
 // Write one row's scales (plain per-row bytes `src`) into the dispatch output layout; pad columns of swizzled
-// tiles are written as zero. Called by the whole block.
+// tiles are written as zero. Called by `nthreads` threads (a warp or a block), `tid` in [0, nthreads).
 template <int FMT>
 __device__ void place_row_scales(const EP& ep, const DispatchArgs& a, long long row, long long scale_row,
-                                 const uint8_t* src) {
+                                 const uint8_t* src, int tid, int nthreads) {
     const int n_scales = static_cast<int>(ep[P_N_SCALES]);
     if constexpr (FMT == kFmtFp8) {
         float* out = static_cast<float*>(a.scales_out);
         const float* s = reinterpret_cast<const float*>(src);
-        for (int b = threadIdx.x; b < n_scales; b += blockDim.x) out[static_cast<long long>(b) * ep[P_CAPACITY] + row] = s[b];
+        for (int b = tid; b < n_scales; b += nthreads) out[static_cast<long long>(b) * ep[P_CAPACITY] + row] = s[b];
     } else if constexpr (FMT == kFmtNvfp4 || FMT == kFmtMxfp4) {
         uint8_t* out = static_cast<uint8_t*>(a.scales_out);
         const int k_tiles = static_cast<int>(ep[P_K_TILES]);
-        for (int c = threadIdx.x; c < k_tiles * kScaleTileCols; c += blockDim.x)
+        for (int c = tid; c < k_tiles * kScaleTileCols; c += nthreads)
             out[swizzled_scale_offset(scale_row, c, k_tiles)] = c < n_scales ? src[c] : 0;
     }
 }
@@ -137,12 +118,20 @@ __device__ __forceinline__ int rows_before_me(const EP& ep, const int* s_tally, 
 
 // ---- phases ---------------------------------------------------------------------------------------------------
 
-// notify: histogram of this call's valid choices, published to every destination with the round's flag.
+// Per-call scratch private to the rank: each choice's slot inside its (expert, my source index) block, and each
+// (token, destination rank)'s message slot. Filled by notify, read by send.
+__device__ __forceinline__ int* scratch_pos(const EP& ep) { return reinterpret_cast<int*>(ep.local(ep[P_OFF_SCRATCH])); }
+__device__ __forceinline__ int* scratch_slot(const EP& ep) { return scratch_pos(ep) + ep[P_MAX_TOKENS] * ep[P_TOP_K]; }
+
+// notify: one thread per (token, k). Reserve every slot with an atomic (the histogram is the slot counter),
+// then the last block publishes the histogram to every destination with the round's flag.
 __device__ void phase_notify(const EP& ep, const DispatchArgs& a, int round, int* s_flag) {
     const int E = static_cast<int>(ep[P_N_EXPERTS]), K = static_cast<int>(ep[P_TOP_K]);
     const int L = static_cast<int>(ep[P_N_LOCAL]);
     int* ctr = ep.counters();
     int* hist = ctr + C_HIST;
+    int* pos = scratch_pos(ep);
+    int* slot = scratch_slot(ep);
     const long long n_choices = static_cast<long long>(a.num_tokens) * K;
     for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n_choices;
          i += static_cast<long long>(gridDim.x) * blockDim.x) {
@@ -157,7 +146,13 @@ __device__ void phase_notify(const EP& ep, const DispatchArgs& a, int round, int
             if (!(ep[P_SKIP_A2A] && e / L != ep[P_RANK])) report_error(ep, kStatusDuplicateExpert, K_DISPATCH_SEND, e, t);
             continue;
         }
-        atomicAdd(hist + e, 1);
+        pos[i] = atomicAdd(hist + e, 1);
+        // The first valid choice of its rank reserves the token's message slot at that rank.
+        const int r = e / L;
+        bool first = true;
+        for (int k2 = 0; k2 < k && first; ++k2)
+            if (ids[k2] / L == r && valid_choice(ep, ids, k2)) first = false;
+        if (first) slot[static_cast<long long>(t) * kMaxRanks + r] = atomicAdd(ctr + C_RANK_SLOT + r, 1);
     }
     if (!last_block_done(ctr + C_DONE_NOTIFY, s_flag)) return;
     // Last block: publish [hist | num_tokens] to every destination's tally row for me, then the flag.
@@ -181,7 +176,8 @@ __device__ void phase_notify(const EP& ep, const DispatchArgs& a, int round, int
     }
 }
 
-// send: every rank's layout from the histograms, then each token once to each destination rank.
+// send: every rank's layout from the histograms, then one warp per token: encode it once (shared memory, or
+// straight from x for bf16) and store it to each destination rank it goes to.
 template <int FMT, typename T>
 __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char* smem, int* s_flag) {
     const int E = static_cast<int>(ep[P_N_EXPERTS]), K = static_cast<int>(ep[P_TOP_K]);
@@ -190,21 +186,23 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
     const int n_src = static_cast<int>(ep[P_N_SRC]), me = static_cast<int>(ep[P_SRC_INDEX]);
     const int par = round & 1;
     int* ctr = ep.counters();
-    int* slot_ctr = ctr + C_HIST + E;
+    const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, n_warps = blockDim.x / kWarp;
 
     __shared__ int s_ok;
     __shared__ int s_scan[32];
-    __shared__ int s_rows[64], s_rank_of[64];
-    __shared__ float s_w[64];
-    __shared__ int s_first[kMaxRanks], s_slot[kMaxRanks];
 
     // 1. Every source's histogram of this round (also: every destination is ready for it).
     const uint64_t* flags = reinterpret_cast<const uint64_t*>(ep.local(ep[P_OFF_HIST_FLAG])) + par * n_src;
     if (!block_wait_flags_eq(flags, n_src, static_cast<uint64_t>(round) + 1, ep, K_DISPATCH_SEND, &s_ok)) return;
-    // shared memory: tallies | per-expert bases | the encoded token (16-byte aligned parts)
+    // shared memory: tallies | per-expert bases | one encoded token per warp (16-byte aligned parts)
     int* s_tally = reinterpret_cast<int*>(smem);
     int* s_base = reinterpret_cast<int*>(smem + align_up(4LL * n_src * (E + 1)));
-    uint8_t* s_msg = reinterpret_cast<uint8_t*>(smem + align_up(4LL * n_src * (E + 1)) + align_up(4LL * E));
+    const long long pb = ep[P_PAYLOAD_BYTES];
+    const int sb = static_cast<int>(ep[P_SCALE_BYTES]);
+    const long long staging = align_up(pb) + align_up(sb);
+    uint8_t* s_payload = reinterpret_cast<uint8_t*>(smem + align_up(4LL * n_src * (E + 1)) + align_up(4LL * E)) +
+                         warp * staging;
+    uint8_t* s_scales = s_payload + align_up(pb);
     load_tallies(ep, par, s_tally);
     const int n_dest = ep[P_SKIP_A2A] ? 1 : R;
     for (int d = 0; d < n_dest; ++d) {
@@ -214,91 +212,87 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
         });
     }
 
-    // 2. Tokens, one per block at a time.
-    const long long pb = ep[P_PAYLOAD_BYTES];
-    const int sb = static_cast<int>(ep[P_SCALE_BYTES]);
-    uint8_t* s_payload = s_msg;
-    uint8_t* s_scales = s_msg + align_up(pb);
+    // 2. Tokens, one per warp at a time. Lane k holds top-k choice k.
+    const int* pos = scratch_pos(ep);
+    const int* slots = scratch_slot(ep);
     const long long T_max = ep[P_MAX_TOKENS];
-    for (int t = blockIdx.x; t < a.num_tokens; t += gridDim.x) {
+    // Consecutive tokens go to different blocks (SMs) first, so a small batch still spreads over the GPU.
+    for (int t = warp * gridDim.x + blockIdx.x; t < a.num_tokens; t += gridDim.x * n_warps) {
         const int* ids = a.topk_ids + static_cast<long long>(t) * K;
-        if (threadIdx.x < K) {
-            const int k = threadIdx.x;
-            int row = -1, r = -1;
-            if (valid_choice(ep, ids, k)) {
-                const int e = ids[k];
+        int e = -1, r = -1, row = -1;
+        float w = 0.f;
+        if (lane < K) {
+            e = ids[lane];
+            if (valid_choice(ep, ids, lane)) {
                 r = e / L;
-                row = s_base[e] + atomicAdd(slot_ctr + e, 1);
+                row = s_base[e] + pos[static_cast<long long>(t) * K + lane];
             }
-            s_rows[k] = row;
-            s_rank_of[k] = r;
-            s_w[k] = a.topk_weights ? a.topk_weights[static_cast<long long>(t) * K + k] : 0.f;
+            if (a.topk_weights) w = a.topk_weights[static_cast<long long>(t) * K + lane];
         }
-        __syncthreads();
-        if (threadIdx.x < R) {
-            int first = -1;
-            for (int k = 0; k < K; ++k)
-                if (s_rank_of[k] == static_cast<int>(threadIdx.x)) { first = k; break; }
-            s_first[threadIdx.x] = first;
-            s_slot[threadIdx.x] = first >= 0 ? atomicAdd(ctr + C_RANK_SLOT + threadIdx.x, 1) : -1;
-        }
-        // Encode once: quantized formats into shared memory; bf16 goes straight from x.
+        // Encode once: quantized formats (and bf16 from float32) into this warp's staging; bf16 straight from x.
         const T* x_row = static_cast<const T*>(a.x) + static_cast<long long>(t) * H;
         const uint8_t* payload;
         if constexpr (FMT == kFmtBf16 && sizeof(T) == 2) {
             payload = reinterpret_cast<const uint8_t*>(x_row);
         } else {
-            encode_row_block<FMT, T>(x_row, H, s_payload, s_scales, a.global_scale);
-            payload = s_payload;
-        }
-        __syncthreads();
-        for (int r = 0; r < R; ++r) {
-            const int first = s_first[r];
-            if (first < 0) continue;
-            char* dst = ep.peer(r, ep[P_OFF_TOKENS]) + s_rows[first] * pb;
-            block_copy16(dst, payload, pb, threadIdx.x, blockDim.x);
-            char* meta = ep.peer(r, ep[P_OFF_META]) + (me * T_max + s_slot[r]) * ep[P_META_BYTES];
-            if (threadIdx.x == 0) *reinterpret_cast<int*>(meta) = t;
-            if (threadIdx.x < K) {
-                const int k = threadIdx.x;
-                reinterpret_cast<uint16_t*>(meta + ep[P_META_IDS])[k] = static_cast<uint16_t>(ids[k]);
-                reinterpret_cast<float*>(meta + ep[P_META_W])[k] = s_w[k];
-                reinterpret_cast<int*>(meta + ep[P_META_ROWS])[k] = s_rank_of[k] == r ? s_rows[k] : -1;
+            using S = typename FormatTraits<FMT>::Scale;
+            const RowSource<T, FMT != kFmtBf16> src{x_row};
+            for (int col0 = 0; col0 < H; col0 += kWarpSpan) {
+                if constexpr (FMT == kFmtBf16)
+                    warp_quantize_span<FMT, 1>(src, col0, H, s_payload, NoScales{}, a.global_scale, lane);
+                else
+                    warp_quantize_span<FMT, 1>(src, col0, H, s_payload, RowScales<S>{reinterpret_cast<S*>(s_scales)},
+                                               a.global_scale, lane);
             }
-            if (sb) block_copy16(meta + ep[P_META_SCALES], s_scales, align_up(sb), threadIdx.x, blockDim.x);
+            payload = s_payload;
+            __syncwarp();
+        }
+        for (int d = 0; d < R; ++d) {
+            const unsigned mask = __ballot_sync(0xffffffffu, r == d);
+            if (!mask) continue;
+            const int first = __ffs(mask) - 1;
+            const int first_row = __shfl_sync(0xffffffffu, row, first);
+            const int slot = slots[static_cast<long long>(t) * kMaxRanks + d];
+            warp_copy16(ep.peer(d, ep[P_OFF_TOKENS]) + first_row * pb, payload, pb, lane);
+            char* meta = ep.peer(d, ep[P_OFF_META]) + (me * T_max + slot) * ep[P_META_BYTES];
+            if (lane == 0) *reinterpret_cast<int*>(meta) = t;
+            if (lane < K) {
+                reinterpret_cast<uint16_t*>(meta + ep[P_META_IDS])[lane] = static_cast<uint16_t>(e);
+                reinterpret_cast<float*>(meta + ep[P_META_W])[lane] = w;
+                reinterpret_cast<int*>(meta + ep[P_META_ROWS])[lane] = r == d ? row : -1;
+            }
+            if (sb) warp_copy16(meta + ep[P_META_SCALES], s_scales, align_up(sb), lane);
         }
         if (ep[P_SHARED]) {
             // My own token is row t of my shared-expert group 0 (its scales too).
-            const long long row = t;
-            block_copy16(ep.local(ep[P_OFF_TOKENS]) + row * pb, payload, pb, threadIdx.x, blockDim.x);
-            if (sb) place_row_scales<FMT>(ep, a, row, row, s_scales);
-            if (threadIdx.x == 0) {
-                a.src_info[2 * row] = t;
-                a.src_info[2 * row + 1] = K;
-                a.row_src[row] = rank;
-                a.row_weight[row] = 1.f;
+            const long long srow = t;
+            warp_copy16(ep.local(ep[P_OFF_TOKENS]) + srow * pb, payload, pb, lane);
+            if (sb) place_row_scales<FMT>(ep, a, srow, srow, s_scales, lane, kWarp);
+            if (lane == 0) {
+                a.src_info[2 * srow] = t;
+                a.src_info[2 * srow + 1] = K;
+                a.row_src[srow] = rank;
+                a.row_weight[srow] = 1.f;
             }
         }
-        __syncthreads();
+        __syncwarp();  // the staging is reused by the warp's next token
     }
 
     // 3. Last block: publish how many messages each destination got from me; re-arm the counters.
     if (!last_block_done(ctr + C_DONE_SEND, s_flag)) return;
-    for (int e = threadIdx.x; e < E; e += blockDim.x) slot_ctr[e] = 0;
     if (threadIdx.x < n_dest) {
         const int r = ep[P_SKIP_A2A] ? rank : threadIdx.x;
         const int count = ctr[C_RANK_SLOT + r];
         ctr[C_RANK_SLOT + r] = 0;
         fence_sys();
-        uint64_t* slot = reinterpret_cast<uint64_t*>(ep.peer(r, ep[P_OFF_DISP_COUNT])) + me;
-        store_release_u64(slot, static_cast<uint64_t>(count));
+        uint64_t* dst = reinterpret_cast<uint64_t*>(ep.peer(r, ep[P_OFF_DISP_COUNT])) + me;
+        store_release_u64(dst, static_cast<uint64_t>(count));
     }
     __syncthreads();
     if (threadIdx.x == 0) {
         ctr[C_DONE_SEND] = 0;
         ctr[C_DISP_ROUND] = round + 1;
     }
-    (void)n_src;
 }
 
 // recv: wait for every source, then lay the round out.
@@ -353,52 +347,62 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
         if (threadIdx.x < n_src) a.msg_count[threadIdx.x] = static_cast<int>(s_count[threadIdx.x]);
     }
 
-    // Messages: metadata, scales, extra copies for the other local experts the token chose.
+    // Messages, one warp each: metadata, scales, and the copies for the other local experts the token chose.
     char* tokens = ep.local(ep[P_OFF_TOKENS]);
     const int total = s_msg_start[n_src];
-    for (int m = blockIdx.x; m < total; m += gridDim.x) {
+    const int lane = threadIdx.x % kWarp, n_warps = blockDim.x / kWarp;
+    for (int m = (threadIdx.x / kWarp) * gridDim.x + blockIdx.x; m < total; m += gridDim.x * n_warps) {
         int s = 0;
         while (m >= s_msg_start[s + 1]) ++s;
         const int i = m - s_msg_start[s];
         const char* meta = ep.local(ep[P_OFF_META]) + (s * T_max + i) * ep[P_META_BYTES];
         const int t = *reinterpret_cast<const int*>(meta);
-        const uint16_t* ids = reinterpret_cast<const uint16_t*>(meta + ep[P_META_IDS]);
-        const float* w = reinterpret_cast<const float*>(meta + ep[P_META_W]);
-        const int* rows = reinterpret_cast<const int*>(meta + ep[P_META_ROWS]);
         const uint8_t* scales = reinterpret_cast<const uint8_t*>(meta + ep[P_META_SCALES]);
         const int src_rank = ep[P_SKIP_A2A] ? rank : s;
         const long long mi = s * T_max + i;
-        int first = -1;
-        for (int k = 0; k < K; ++k)
-            if (rows[k] >= 0) { first = k; break; }
-        for (int k = 0; k < K; ++k) {
-            const int row = rows[k];
-            if (threadIdx.x == 0) a.msg_rows[mi * K + k] = row;
-            if (row < 0) continue;
-            const int g = sh + ids[k] - rank * L;
-            if (threadIdx.x == 0) {
-                a.src_info[2LL * row] = t;
-                a.src_info[2LL * row + 1] = k;
-                a.row_src[row] = src_rank;
-                a.row_weight[row] = w[k];
-            }
-            if (ep[P_SCALE_BYTES]) place_row_scales<FMT>(ep, a, row, swizzle_row(s_tiles, s_offsets, g, row), scales);
-            if (k != first) block_copy16(tokens + row * pb, tokens + rows[first] * pb, pb, threadIdx.x, blockDim.x);
+        int id = -1, row = -1;
+        float w = 0.f;
+        if (lane < K) {
+            id = reinterpret_cast<const uint16_t*>(meta + ep[P_META_IDS])[lane];
+            row = reinterpret_cast<const int*>(meta + ep[P_META_ROWS])[lane];
+            w = reinterpret_cast<const float*>(meta + ep[P_META_W])[lane];
+            a.msg_rows[mi * K + lane] = row;
         }
-        if (threadIdx.x == 0) {
+        unsigned local = __ballot_sync(0xffffffffu, row >= 0);
+        const int first = local ? __ffs(local) - 1 : 0;
+        const int first_row = __shfl_sync(0xffffffffu, row, first);
+        if (lane < K && row >= 0) {
+            a.src_info[2LL * row] = t;
+            a.src_info[2LL * row + 1] = lane;
+            a.row_src[row] = src_rank;
+            a.row_weight[row] = w;
+        }
+        // My position among the token's destination ranks in top-k order (its partial-sum slot in combine):
+        // the number of distinct ranks of valid choices whose first choice comes before mine. All lanes shuffle.
+        bool valid = lane < K && id < E;
+        for (int k2 = 0; k2 < K; ++k2) {
+            const int v = __shfl_sync(0xffffffffu, id, k2);
+            if (k2 < lane && v == id) valid = false;
+        }
+        const unsigned valid_mask = __ballot_sync(0xffffffffu, valid);
+        bool is_new_rank = valid && !ep[P_SKIP_A2A];
+        for (int k2 = 0; k2 < K; ++k2) {
+            const int v = __shfl_sync(0xffffffffu, id, k2);
+            if (k2 < lane && ((valid_mask >> k2) & 1u) && v / L == id / L) is_new_rank = false;
+        }
+        const unsigned new_ranks = __ballot_sync(0xffffffffu, is_new_rank && lane < first);
+        if (lane == 0) {
             a.msg_token[mi] = t;
-            // My position among the token's destination ranks, in top-k order (its partial-sum slot in combine).
-            int j = 0;
-            if (!ep[P_SKIP_A2A]) {
-                for (int k = 0; k < K; ++k) {
-                    const int r = ids[k] / L;
-                    if (r == rank) break;
-                    bool seen = false;
-                    for (int k2 = 0; k2 < k; ++k2) seen |= (ids[k2] / L == r);
-                    j += !seen;
-                }
-            }
-            a.msg_j[mi] = j;
+            a.msg_j[mi] = __popc(new_ranks);
+        }
+        while (local) {
+            const int k = __ffs(local) - 1;
+            local &= local - 1;
+            const int rk = __shfl_sync(0xffffffffu, row, k);
+            const int g = sh + __shfl_sync(0xffffffffu, id, k) - rank * L;
+            if (ep[P_SCALE_BYTES])
+                place_row_scales<FMT>(ep, a, rk, swizzle_row(s_tiles, s_offsets, g, rk), scales, lane, kWarp);
+            if (k != first) warp_copy16(tokens + rk * pb, tokens + first_row * pb, pb, lane);
         }
     }
 

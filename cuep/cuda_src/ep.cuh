@@ -45,6 +45,7 @@ enum Param : int {
     P_OFF_COMB_READY,
     P_OFF_COMB_COUNT,
     P_OFF_COUNTERS,
+    P_OFF_SCRATCH,      // private: per-choice slots [T, K] and per-(token, rank) message slots [T, 8]
     P_TIMEOUT_NS,
     P_ERR_PTR,          // ErrorRecord* in host-mapped memory
     P_PEER_BASE,        // 8 entries: base address of each rank's symmetric buffer

@@ -1,0 +1,137 @@
+"""``python -m cuep.run``, the launcher of one process per rank, on the CPU: tiny scripts as ranks.
+
+Every test is bounded (pytest-timeout), and so is every launcher run (``subprocess.run(timeout=...)``).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def launch(tmp_path, body: str, *launcher_args: str, script_args=(), env=None, timeout=60):
+    script = tmp_path / "rank.py"
+    script.write_text(textwrap.dedent(body))
+    e = dict(os.environ if env is None else env)
+    e["PYTHONPATH"] = str(ROOT)
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "-m", "cuep.run", *launcher_args, str(script), *script_args], cwd=ROOT,
+                         env=e, capture_output=True, text=True, timeout=timeout)
+    return res, time.monotonic() - t0
+
+
+@pytest.mark.timeout(60)
+def test_every_rank_runs_with_the_torchrun_variables_and_a_prefix(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("NCCL_NVLS_ENABLE", "NVSHMEM_DISABLE_NVLS")}
+    env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "7"  # set by the user: passed through as it is
+    res, _ = launch(tmp_path, """
+        import os, sys
+        v = os.environ
+        print("RANK", v["RANK"], "WORLD", v["WORLD_SIZE"], "LOCAL", v["LOCAL_RANK"], "ADDR", v["MASTER_ADDR"],
+              "PORT", v["MASTER_PORT"], "NVLS", v["NCCL_NVLS_ENABLE"], v["NVSHMEM_DISABLE_NVLS"],
+              v["TORCH_SYMM_MEM_DISABLE_MULTICAST"], "ARGS", *sys.argv[1:])
+        print("err line", file=sys.stderr)
+        sys.stdout.write("no newline at the end")
+        """, "-n", "3", script_args=["-n", "5", "--flag"], env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = res.stdout.splitlines()
+    ports = set()
+    for r in range(3):
+        mine = [ln for ln in lines if ln.startswith(f"[rank {r}] ")]
+        assert len(mine) == 3, lines
+        first = next(ln for ln in mine if "RANK" in ln).split()[2:]  # past "[rank r]"
+        assert first[1:8:2] == [str(r), "3", str(r), "127.0.0.1"], first
+        assert first[11:14] == ["0", "1", "7"] and first[14:] == ["ARGS", "-n", "5", "--flag"], first
+        ports.add(first[9])
+        assert f"[rank {r}] err line" in mine and f"[rank {r}] no newline at the end" in mine
+    assert len(ports) == 1 and 0 < int(ports.pop()) < 65536
+    assert res.stderr == ""
+
+
+@pytest.mark.timeout(60)
+def test_a_failing_rank_fails_the_launch_fast_with_its_status(tmp_path):
+    res, dt = launch(tmp_path, """
+        import os, sys, time
+        if os.environ["RANK"] == "1":
+            print("rank 1 fails", flush=True)
+            sys.exit(3)
+        time.sleep(60)
+        """, "-n", "3")
+    assert res.returncode == 3, res.stdout + res.stderr
+    assert dt < 20
+    assert "[rank 1] rank 1 fails" in res.stdout
+    assert "cuep.run: rank 1 exited with status 3; stopping rank(s) 0, 2" in res.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_killed_by_a_signal_gives_128_plus_the_signal(tmp_path):
+    res, _ = launch(tmp_path, """
+        import os, signal, time
+        if os.environ["RANK"] == "0":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+        """, "-n", "2")
+    assert res.returncode == 128 + 9, res.stdout + res.stderr
+    assert "rank 0 exited with status 137" in res.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_failure_in_the_traceback_reaches_the_output(tmp_path):
+    res, _ = launch(tmp_path, "raise SystemExit('worker broke: mismatch on rank')\n", "-n", "2")
+    assert res.returncode == 1
+    assert "worker broke: mismatch on rank" in res.stdout
+
+
+@pytest.mark.timeout(60)
+def test_the_timeout_stops_every_rank_even_one_that_ignores_sigterm(tmp_path):
+    res, dt = launch(tmp_path, """
+        import os, signal, time
+        if os.environ["RANK"] == "1":
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print("started", flush=True)
+        time.sleep(120)
+        """, "-n", "2", "--timeout", "1.5")
+    assert res.returncode == 124, res.stdout + res.stderr
+    assert dt < 20
+    assert "cuep.run: timed out after 1.5 s (--timeout); stopping rank(s) 0, 1" in res.stderr
+    assert "[rank 0] started" in res.stdout and "[rank 1] started" in res.stdout
+
+
+@pytest.mark.timeout(60)
+def test_the_ranks_meet_through_cueps_store(tmp_path):
+    res, _ = launch(tmp_path, """
+        from cuep.group import _connect, _launch_env
+        env = _launch_env()
+        store = _connect(env, timeout_s=20)
+        got = store.allgather(f"hello from {env.rank}".encode())
+        store.barrier()
+        print("|".join(g.decode() for g in got))
+        store.close()
+        """, "-n", "4")
+    assert res.returncode == 0, res.stdout + res.stderr
+    want = "|".join(f"hello from {r}" for r in range(4))
+    for r in range(4):
+        assert f"[rank {r}] {want}" in res.stdout
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args, match", [(["-n", "0"], "-n 0: a node-local cuep group has 1..8 ranks"),
+                                         (["-n", "9"], "1..8 ranks"),
+                                         (["-n", "2", "--timeout", "0"], "--timeout 0 must be positive")])
+def test_bad_launcher_arguments(tmp_path, args, match):
+    res, _ = launch(tmp_path, "print('never')\n", *args)
+    assert res.returncode == 2 and match in res.stderr and "never" not in res.stdout
+
+
+@pytest.mark.timeout(60)
+def test_a_missing_script_is_named(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "cuep.run", "-n", "2", str(tmp_path / "nope.py")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=30)
+    assert res.returncode == 2 and "nope.py" in res.stderr and "not found" in res.stderr
