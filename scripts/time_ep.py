@@ -71,6 +71,42 @@ def main():
             gc = stream.end_capture()
             tg_d = timeit(lambda: gd.launch(stream), stream) / 10
             tg_c = timeit(lambda: gc.launch(stream), stream) / 10
+            stream.begin_capture()
+            for _ in range(10):
+                cuep.dispatch_async(buf, xs, ids, ws)
+                cuep.dispatch_wait(d)
+            ga = stream.end_capture()
+            stream.begin_capture()
+            for _ in range(10):
+                cuep.combine_async(buf, eo, d)
+                cuep.combine_wait(buf, eo, d)
+            gca = stream.end_capture()
+            tg_a = timeit(lambda: ga.launch(stream), stream) / 10
+            tg_ca = timeit(lambda: gca.launch(stream), stream) / 10
+            print(f"  graph: dispatch as two halves {tg_a:.1f} us, combine as two halves {tg_ca:.1f} us")
+            # phase split of the fused dispatch kernel: notify only, notify+send, all three
+            from cuep import ep as ep_mod
+            r0 = buf._ranks[0]
+            threads, smem = ep_mod._dispatch_launch(buf, staged=cfg.fmt.name != "bf16")
+            fn = ep_mod._kernel(f"dispatch.cu:cuep_dispatch_{cfg.fmt.name}_from_bf16", smem)
+            z = ep_mod._NULL
+
+            def launch(ph):
+                fn((buf.num_sms,), (threads,), (r0.params, xs[0], ids[0], ws[0], np.int32(a.tokens), np.float32(1),
+                                                r0.scales if r0.scales is not None else z, r0.row_offsets,
+                                                r0.expert_ids, r0.scales_offsets if r0.scales_offsets is not None
+                                                else z, r0.src_info, r0.row_src, r0.row_weight, r0.msg_rows,
+                                                r0.msg_token, r0.msg_j, r0.msg_count, np.int32(ph)), shared_mem=smem)
+            out = []
+            for ph in (1, 3, 7):
+                buf.reset()  # notify alone leaves the message-slot counters for send to re-arm
+                stream.begin_capture()
+                for _ in range(10):
+                    launch(ph)
+                gp = stream.end_capture()
+                out.append(timeit(lambda: gp.launch(stream), stream) / 10)
+            buf.reset()
+            print(f"  graph: dispatch phases notify {out[0]:.1f} us, +send {out[1]:.1f} us, +recv {out[2]:.1f} us")
     rows = int(d[0].row_offsets[-1].get())
     print(f"ranks={a.ranks} sim={a.sim} N={a.tokens} H={a.hidden} fmt={a.format} sms={buf.num_sms} rows(rank0)={rows}: "
           f"dispatch {td:.1f} us (as two launches {ta:.1f} us; in a graph {tg_d:.1f} us), "

@@ -167,6 +167,13 @@ def test_bad_arguments_raise_before_launch(rng):
         cuep.dispatch(buf, [g[:, :128].copy() for g in gx], gids)
     with pytest.raises(ValueError, match="C-contiguous"):
         cuep.dispatch(buf, [cupy.asfortranarray(g) for g in gx], gids)
+    bad = [g.copy() for g in gids]
+    bad[1][5, 1] = 8
+    with pytest.raises(ValueError, match=r"topk_ids\[rank 1\]\[5, 1\] = 8 is outside"):
+        cuep.dispatch(buf, gx, bad, validate=True)
+    bad[1][5, 1] = bad[1][5, 0]
+    with pytest.raises(ValueError, match=r"topk_ids\[rank 1\]\[5\] chooses expert .* twice"):
+        cuep.dispatch(buf, gx, bad, validate=True)
     with pytest.raises(ValueError, match="2 rank"):
         cuep.dispatch(buf, gx[:1], gids[:1])
     with pytest.raises(ValueError, match="cfg.n_ranks"):

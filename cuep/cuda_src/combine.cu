@@ -223,7 +223,7 @@ __device__ void phase_recv(const EP& ep, const CombineArgs& a, int* s_flag) {
         __syncthreads();
     }
     (void)R;
-    if (!last_block_done(ctr + C_DONE_CRECV, s_flag)) return;
+    if (!last_block_done(ctr + C_DONE_CRECV, s_flag, /*peer_writes=*/false)) return;
     if (threadIdx.x < n_dest) counts[threadIdx.x] = kEmpty;
     if (threadIdx.x == 0) ctr[C_DONE_CRECV] = 0;
 }

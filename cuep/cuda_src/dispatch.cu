@@ -154,7 +154,7 @@ __device__ void phase_notify(const EP& ep, const DispatchArgs& a, int round, int
             if (ids[k2] / L == r && valid_choice(ep, ids, k2)) first = false;
         if (first) slot[static_cast<long long>(t) * kMaxRanks + r] = atomicAdd(ctr + C_RANK_SLOT + r, 1);
     }
-    if (!last_block_done(ctr + C_DONE_NOTIFY, s_flag)) return;
+    if (!last_block_done(ctr + C_DONE_NOTIFY, s_flag, /*peer_writes=*/false)) return;
     // Last block: publish [hist | num_tokens] to every destination's tally row for me, then the flag.
     const int par = round & 1, n_src = static_cast<int>(ep[P_N_SRC]), E1 = E + 1;
     const int me = static_cast<int>(ep[P_SRC_INDEX]);
@@ -443,7 +443,7 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
     }
 
     // Last block: re-arm the counts for the next round.
-    if (!last_block_done(ctr + C_DONE_RECV, s_flag)) return;
+    if (!last_block_done(ctr + C_DONE_RECV, s_flag, /*peer_writes=*/false)) return;
     if (threadIdx.x < n_src) counts[threadIdx.x] = kEmpty;
     if (threadIdx.x == 0) {
         ctr[C_DONE_RECV] = 0;

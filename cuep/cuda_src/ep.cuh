@@ -116,13 +116,17 @@ __device__ __forceinline__ bool has_failed(const EP& ep) {
 // "Last block done" pattern: every block calls this once after its share of a phase (all threads); it returns true
 // in exactly one block, after every other block's writes of the phase are visible to it. That block finishes the
 // phase and resets `*done` to 0 so the next round starts clean.
-__device__ __forceinline__ bool last_block_done(int* done, int* s_flag) {
+// `peer_writes`: the phase stored into peer memory, so the fence must be system-wide; a phase that wrote only
+// this GPU's memory needs a device-scope fence, which is much cheaper.
+__device__ __forceinline__ bool last_block_done(int* done, int* s_flag, bool peer_writes = true) {
     __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence_system();  // this block's writes (peer memory included) before the count
+        if (peer_writes) __threadfence_system(); else __threadfence();  // this block's writes before the count
         const int prev = atomicAdd(done, 1);
         *s_flag = (prev == static_cast<int>(gridDim.x) - 1);
-        if (*s_flag) __threadfence_system();
+        if (*s_flag) {
+            if (peer_writes) __threadfence_system(); else __threadfence();
+        }
     }
     __syncthreads();
     return *s_flag != 0;
