@@ -1,0 +1,93 @@
+// Helper kernels of cuep's benchmark harness (python -m cuep.bench); not part of cuep's API.
+//
+// cuep_bench_gate: the start line of a timed region on several GPUs. Thread 0 announces its arrival in
+//   host-mapped memory, then spins until the host raises the release value. The host releases only after every
+//   device has arrived, so all start events are recorded within about a microsecond of each other whatever the
+//   order and speed of the host's launches. Bounded like every spin in cuep: after timeout_ns it records a timeout
+//   the host reads, and returns. Each device writes its own slots (plain stores: no atomics on host memory).
+//
+// cuep_bench_segment_sum_bf16: out[m, :] = sum_{i in [seg[m], seg[m + 1])} w[i] * in[rows[i], :] with float32
+//   accumulation, bf16 in and out (w = 1 when weights is null). The NCCL baseline's combine needs it twice: to
+//   reduce a token's expert rows into one partial sum per destination rank, and to add the partial sums at home.
+//   One block per segment (grid-stride), 16-byte loads and stores; hidden must be a multiple of 8 and rows 16-byte
+//   aligned.
+#include <cuda/std/cstdint>  // NVRTC has no C++ standard library; CCCL ships this one
+
+using cuda::std::int32_t;
+using cuda::std::int64_t;
+using cuda::std::uint16_t;
+using cuda::std::uint32_t;
+using cuda::std::uint64_t;
+
+namespace {
+
+constexpr int kGateThreads = 32;
+constexpr unsigned kGateSleepNs = 32;
+constexpr int kSegThreads = 256;
+constexpr int kBf16PerVec = 8;  // bf16 values per 16-byte vector
+
+__device__ __forceinline__ uint64_t global_timer_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+__device__ __forceinline__ float bf16_to_float(uint32_t bits16) { return __uint_as_float(bits16 << 16); }
+
+// float32 -> bf16 bits, round to nearest even; NaN stays a quiet NaN.
+__device__ __forceinline__ uint32_t float_to_bf16(float f) {
+    const uint32_t b = __float_as_uint(f);
+    if ((b & 0x7F800000u) == 0x7F800000u && (b & 0x007FFFFFu)) return (b >> 16) | 0x40u;
+    return (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+}
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(kGateThreads)
+cuep_bench_gate(uint32_t* arrived, const uint32_t* release, uint32_t target, uint64_t timeout_ns,
+                uint32_t* timed_out) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    *reinterpret_cast<volatile uint32_t*>(arrived) = target;
+    __threadfence_system();
+    const volatile uint32_t* rel = release;
+    const uint64_t t0 = global_timer_ns();
+    while (*rel < target) {
+        if (global_timer_ns() - t0 > timeout_ns) {
+            *reinterpret_cast<volatile uint32_t*>(timed_out) = target;
+            __threadfence_system();
+            return;
+        }
+        __nanosleep(kGateSleepNs);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(kSegThreads)
+cuep_bench_segment_sum_bf16(const uint16_t* __restrict__ in, const int32_t* __restrict__ rows,
+                            const float* __restrict__ weights, const int32_t* __restrict__ seg, int32_t n_seg,
+                            int32_t hidden, uint16_t* __restrict__ out) {
+    const int nvec = hidden / kBf16PerVec;
+    for (int m = blockIdx.x; m < n_seg; m += gridDim.x) {
+        const int begin = seg[m], end = seg[m + 1];
+        for (int v = threadIdx.x; v < nvec; v += blockDim.x) {
+            float acc[kBf16PerVec];
+#pragma unroll
+            for (int j = 0; j < kBf16PerVec; ++j) acc[j] = 0.0f;
+            for (int i = begin; i < end; ++i) {
+                const float w = weights ? weights[i] : 1.0f;
+                const uint4 q = reinterpret_cast<const uint4*>(in + int64_t(rows[i]) * hidden)[v];
+                const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    acc[2 * j] += w * bf16_to_float(words[j] & 0xFFFFu);
+                    acc[2 * j + 1] += w * bf16_to_float(words[j] >> 16);
+                }
+            }
+            uint4 r;
+            r.x = float_to_bf16(acc[0]) | (float_to_bf16(acc[1]) << 16);
+            r.y = float_to_bf16(acc[2]) | (float_to_bf16(acc[3]) << 16);
+            r.z = float_to_bf16(acc[4]) | (float_to_bf16(acc[5]) << 16);
+            r.w = float_to_bf16(acc[6]) | (float_to_bf16(acc[7]) << 16);
+            reinterpret_cast<uint4*>(out + int64_t(m) * hidden)[v] = r;
+        }
+    }
+}
