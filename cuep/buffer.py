@@ -30,7 +30,7 @@ PARAM_FIELDS = [
     "rank", "n_ranks", "n_src", "src_index", "n_local", "n_experts", "top_k", "hidden", "max_tokens",
     "payload_bytes", "scale_bytes", "row_align", "n_scales", "k_tiles", "n_groups", "shared", "skip_a2a",
     "capacity", "meta_bytes", "meta_ids", "meta_w", "meta_rows", "meta_scales", "combine_itemsize",
-    "off_tokens", "off_comb_recv", "off_meta", "off_tally", "off_hist_flag", "off_disp_count", "off_comb_ready",
+    "off_tokens", "off_comb_recv", "off_meta", "off_tally", "off_hist_flag", "off_comb_ready",
     "off_comb_count", "off_counters", "off_scratch", "timeout_ns", "err_ptr",
 ] + [f"peer_base{i}" for i in range(8)]
 
@@ -205,7 +205,7 @@ class Buffer:
                 meta_w=m.topk_weights_offset, meta_rows=m.topk_rows_offset, meta_scales=m.scales_offset,
                 combine_itemsize=cfg.combine_itemsize, timeout_ns=int(self.timeout_s * 1e9), err_ptr=r.err_host_ptr,
                 **{f"off_{k}": regions[k][0] for k in ("tokens", "comb_recv", "meta", "tally", "hist_flag",
-                                                       "disp_count", "comb_ready", "comb_count", "counters",
+                                                       "comb_ready", "comb_count", "counters",
                                                        "scratch")},
                 **{f"peer_base{i}": bases[i] for i in range(8)})
             arr = np.array([v[f] for f in PARAM_FIELDS], dtype=np.int64)
@@ -232,10 +232,11 @@ class Buffer:
             with cupy.cuda.Device(r.device):
                 cupy.cuda.Device().synchronize()
                 rt = cupy.cuda.runtime
-                for name in ("tally", "hist_flag", "comb_ready", "counters"):
+                # meta holds the per-message ready tags (round + 1): stale ones must not match a restarted round
+                for name in ("meta", "tally", "hist_flag", "comb_ready", "counters"):
                     off, size = reg[name]
                     rt.memset(r.base + off, 0, size)
-                for name in ("disp_count", "comb_count"):
+                for name in ("comb_count",):
                     off, size = reg[name]
                     rt.memset(r.base + off, 0xFF, size)
                 cupy.cuda.Device().synchronize()

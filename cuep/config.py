@@ -157,11 +157,12 @@ class EPConfig:
         """Byte (offset, size) of every region of one rank's symmetric allocation, identical on every rank.
 
         Peers write: ``tokens`` (the dispatch output rows, [capacity, payload]), ``meta`` ([sources, T,
-        meta_bytes]), ``tally`` (int32 [2 parities, sources, E + 1]: each source's expert histogram and token
-        count), ``hist_flag`` (uint64 [2, sources]: round + 1 once that tally row is complete), ``disp_count``
-        (uint64 [sources], messages sent, UINT64_MAX until they all landed), ``comb_recv`` ([T, K, H] in the
-        combine dtype), ``comb_ready`` (uint64 [R]: round + 1 once that rank may receive combine data),
-        ``comb_count`` (uint64 [R]). ``counters`` (int32) are private to the rank.
+        meta_bytes]: one record per message, with a ready tag), ``tally`` (int32 [2 parities, sources, E + 2]:
+        each source's expert histogram, token count and message count for this rank), ``hist_flag`` (uint64
+        [2, sources]: round + 1 once that tally row is complete), ``comb_recv`` ([T, K, H] in the combine dtype),
+        ``comb_ready`` (uint64 [R]: round + 1 once that rank may receive combine data), ``comb_count`` (uint64
+        [R]). ``counters`` (int32) and ``scratch`` (int32 [T, K] slots of each choice in its (expert, source)
+        block, [T, 8] message slot per (token, destination)) are private to the rank.
         There is no send buffer: a token is encoded once, in shared memory, and stored straight into each
         destination over NVLink.
         """
@@ -169,7 +170,7 @@ class EPConfig:
         sizes = [("tokens", self.capacity * self.payload_bytes),
                  ("comb_recv", T * self.top_k * self.hidden * self.combine_itemsize),
                  ("meta", S * T * self.message.meta_bytes),
-                 ("tally", 4 * 2 * S * (E + 1)), ("hist_flag", 8 * 2 * S), ("disp_count", 8 * S),
+                 ("tally", 4 * 2 * S * (E + 2)), ("hist_flag", 8 * 2 * S),
                  ("comb_ready", 8 * self.n_ranks), ("comb_count", 8 * self.n_ranks),
                  ("counters", 4 * self.n_counters),
                  ("scratch", 4 * T * (self.top_k + 8))]

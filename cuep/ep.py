@@ -139,7 +139,7 @@ def _dispatch_launch(buf: Buffer, staged: bool) -> tuple[int, int]:
 
     cfg = buf.cfg
     a16 = lambda n: -(-n // 16) * 16  # noqa: E731  (the kernel aligns every part to 16 bytes)
-    tally = a16(4 * cfg.n_source_ranks * (cfg.n_experts + 1))
+    tally = a16(4 * cfg.n_source_ranks * (cfg.n_experts + 2))  # tally rows: E counts, tokens, messages
     fixed = tally + a16(4 * cfg.n_experts)
     staging = a16(cfg.payload_bytes) + a16(cfg.message.scale_bytes) if staged else 0
     limit = cupy.cuda.Device(buf._ranks[0].device).attributes["MaxSharedMemoryPerBlockOptin"] - 2048

@@ -96,3 +96,15 @@ def _cuh_constants(text: str) -> dict[str, str]:
 def test_header_constants_match_python():
     common = _cuh_constants((_kernels.SRC_DIR / "common.cuh").read_text())
     assert int(common["kAlign"]) == formats.ALIGN
+
+
+def test_param_block_matches_header():
+    """cuep/buffer.py's PARAM_FIELDS and ep.cuh's enum Param list the same fields in the same order."""
+    from cuep.buffer import PARAM_FIELDS
+
+    text = (_kernels.SRC_DIR / "ep.cuh").read_text()
+    body = text[text.index("enum Param : int {"):text.index("P_COUNT = P_PEER_BASE + 8")]
+    names = re.findall(r"^\s*P_([A-Z0-9_]+),", body, re.M)
+    want = [f.upper() for f in PARAM_FIELDS if not f.startswith("peer_base")] + ["PEER_BASE"]
+    assert names == want
+    assert len(PARAM_FIELDS) == len(names) - 1 + 8

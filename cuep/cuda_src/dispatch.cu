@@ -63,9 +63,13 @@ __device__ void place_row_scales(const EP& ep, const DispatchArgs& a, long long 
     }
 }
 
+// A tally row, one per (source, parity), written by the source into each destination:
+// [tokens the source sends to each expert (E) | the source's token count | messages it sends to this destination].
+__device__ __forceinline__ int tally_len(const EP& ep) { return static_cast<int>(ep[P_N_EXPERTS]) + 2; }
+
 // Copy the tallies of parity `par` from this rank's buffer into shared memory (after the flags were acquired).
 __device__ void load_tallies(const EP& ep, int par, int* s_tally) {
-    const int E1 = static_cast<int>(ep[P_N_EXPERTS]) + 1, n_src = static_cast<int>(ep[P_N_SRC]);
+    const int E1 = tally_len(ep), n_src = static_cast<int>(ep[P_N_SRC]);
     const int* tally = reinterpret_cast<const int*>(ep.local(ep[P_OFF_TALLY])) + par * n_src * E1;
     for (int i = threadIdx.x; i < n_src * E1; i += blockDim.x) s_tally[i] = tally[i];
     __syncthreads();
@@ -79,16 +83,15 @@ __device__ __forceinline__ int padded(long long n, const EP& ep) {
 __device__ __forceinline__ int shared_rows(const EP& ep, const int* s_tally, int r) {
     // The token count of rank r is the last column of its tally row (with skip_a2a, the only row is mine).
     if (!ep[P_SHARED]) return 0;
-    const int E1 = static_cast<int>(ep[P_N_EXPERTS]) + 1;
     const int idx = ep[P_SKIP_A2A] ? 0 : r;
-    return padded(s_tally[idx * E1 + E1 - 1], ep);
+    return padded(s_tally[idx * tally_len(ep) + ep[P_N_EXPERTS]], ep);
 }
 
 // Rows of one destination rank r, in expert order: for each local expert (thread-strided), its padded group size,
 // scanned. `emit(e, group_start)` receives each expert's first row at rank r (shared-expert rows come first).
 template <typename Emit>
 __device__ void scan_rank_groups(const EP& ep, const int* s_tally, int r, int* s_scan, Emit emit) {
-    const int L = static_cast<int>(ep[P_N_LOCAL]), E1 = static_cast<int>(ep[P_N_EXPERTS]) + 1;
+    const int L = static_cast<int>(ep[P_N_LOCAL]), E1 = tally_len(ep);
     const int n_src = static_cast<int>(ep[P_N_SRC]);
     int carry = shared_rows(ep, s_tally, r);
     for (int l0 = 0; l0 < L; l0 += blockDim.x) {
@@ -110,7 +113,7 @@ __device__ void scan_rank_groups(const EP& ep, const int* s_tally, int r, int* s
 
 // Sum of tallies of sources before `me` for expert e: where my block of rows starts inside e's group.
 __device__ __forceinline__ int rows_before_me(const EP& ep, const int* s_tally, int e) {
-    const int E1 = static_cast<int>(ep[P_N_EXPERTS]) + 1, me = static_cast<int>(ep[P_SRC_INDEX]);
+    const int E1 = tally_len(ep), me = static_cast<int>(ep[P_SRC_INDEX]);
     int n = 0;
     for (int s = 0; s < me; ++s) n += s_tally[s * E1 + e];
     return n;
@@ -132,40 +135,49 @@ __device__ void phase_notify(const EP& ep, const DispatchArgs& a, int round, int
     int* hist = ctr + C_HIST;
     int* pos = scratch_pos(ep);
     int* slot = scratch_slot(ep);
-    const long long n_choices = static_cast<long long>(a.num_tokens) * K;
-    for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n_choices;
-         i += static_cast<long long>(gridDim.x) * blockDim.x) {
-        const int t = static_cast<int>(i / K), k = static_cast<int>(i % K);
-        const int* ids = a.topk_ids + static_cast<long long>(t) * K;
-        const int e = ids[k];
-        if (e < 0 || e >= E) {
-            report_error(ep, kStatusBadExpertId, K_DISPATCH_SEND, e, t);
-            continue;
+    // One warp per token, lane k = choice k: repeats and first choices per rank found with shuffles.
+    const int lane = threadIdx.x % kWarp, n_warps = blockDim.x / kWarp;
+    for (int t = (threadIdx.x / kWarp) * gridDim.x + blockIdx.x; t < a.num_tokens; t += gridDim.x * n_warps) {
+        const long long i = static_cast<long long>(t) * K + lane;
+        const int e = lane < K ? a.topk_ids[i] : -1;
+        const bool in_range = lane < K && e >= 0 && e < E;
+        bool repeat = false;
+        for (int k2 = 0; k2 < K; ++k2) {
+            const int v = __shfl_sync(0xffffffffu, e, k2);
+            if (k2 < lane && v == e) repeat = true;
         }
-        if (!valid_choice(ep, ids, k)) {
-            if (!(ep[P_SKIP_A2A] && e / L != ep[P_RANK])) report_error(ep, kStatusDuplicateExpert, K_DISPATCH_SEND, e, t);
-            continue;
+        if (lane < K && !in_range) report_error(ep, kStatusBadExpertId, K_DISPATCH_SEND, e, t);
+        const bool local_ok = !ep[P_SKIP_A2A] || (in_range && e / L == ep[P_RANK]);
+        if (in_range && repeat && local_ok) report_error(ep, kStatusDuplicateExpert, K_DISPATCH_SEND, e, t);
+        const bool valid = in_range && !repeat && local_ok;
+        const unsigned valid_mask = __ballot_sync(0xffffffffu, valid);
+        const int r = valid ? e / L : -1;
+        bool first = valid;
+        for (int k2 = 0; k2 < K; ++k2) {
+            const int v = __shfl_sync(0xffffffffu, r, k2);
+            if (k2 < lane && ((valid_mask >> k2) & 1u) && v == r) first = false;
         }
-        pos[i] = atomicAdd(hist + e, 1);
-        // The first valid choice of its rank reserves the token's message slot at that rank.
-        const int r = e / L;
-        bool first = true;
-        for (int k2 = 0; k2 < k && first; ++k2)
-            if (ids[k2] / L == r && valid_choice(ep, ids, k2)) first = false;
-        if (first) slot[static_cast<long long>(t) * kMaxRanks + r] = atomicAdd(ctr + C_RANK_SLOT + r, 1);
+        if (valid) {
+            pos[i] = atomicAdd(hist + e, 1);
+            // The first valid choice of its rank reserves the token's message slot at that rank.
+            if (first) slot[static_cast<long long>(t) * kMaxRanks + r] = atomicAdd(ctr + C_RANK_SLOT + r, 1);
+        }
     }
     if (!last_block_done(ctr + C_DONE_NOTIFY, s_flag, /*peer_writes=*/false)) return;
-    // Last block: publish [hist | num_tokens] to every destination's tally row for me, then the flag.
-    const int par = round & 1, n_src = static_cast<int>(ep[P_N_SRC]), E1 = E + 1;
+    // Last block: publish [hist | num_tokens | messages for you] to every destination's tally row for me, then
+    // the flag; re-arm the counters (send reads only the reserved slots in scratch).
+    const int par = round & 1, n_src = static_cast<int>(ep[P_N_SRC]), E1 = tally_len(ep);
     const int me = static_cast<int>(ep[P_SRC_INDEX]);
     const int n_dest = ep[P_SKIP_A2A] ? 1 : static_cast<int>(ep[P_N_RANKS]);
     for (int d = 0; d < n_dest; ++d) {
         const int r = ep[P_SKIP_A2A] ? static_cast<int>(ep[P_RANK]) : d;
         int* dst = reinterpret_cast<int*>(ep.peer(r, ep[P_OFF_TALLY])) + (par * n_src + me) * E1;
-        for (int e = threadIdx.x; e < E1; e += blockDim.x) dst[e] = e < E ? hist[e] : a.num_tokens;
+        for (int e = threadIdx.x; e < E1; e += blockDim.x)
+            dst[e] = e < E ? hist[e] : (e == E ? a.num_tokens : ctr[C_RANK_SLOT + r]);
     }
     __syncthreads();
     for (int e = threadIdx.x; e < E; e += blockDim.x) hist[e] = 0;
+    if (threadIdx.x < kMaxRanks) ctr[C_RANK_SLOT + threadIdx.x] = 0;
     if (threadIdx.x == 0) ctr[C_DONE_NOTIFY] = 0;
     __syncthreads();
     if (threadIdx.x < n_dest) {
@@ -196,11 +208,12 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
     if (!block_wait_flags_eq(flags, n_src, static_cast<uint64_t>(round) + 1, ep, K_DISPATCH_SEND, &s_ok)) return;
     // shared memory: tallies | per-expert bases | one encoded token per warp (16-byte aligned parts)
     int* s_tally = reinterpret_cast<int*>(smem);
-    int* s_base = reinterpret_cast<int*>(smem + align_up(4LL * n_src * (E + 1)));
+    const long long tally_bytes = align_up(4LL * n_src * tally_len(ep));
+    int* s_base = reinterpret_cast<int*>(smem + tally_bytes);
     const long long pb = ep[P_PAYLOAD_BYTES];
     const int sb = static_cast<int>(ep[P_SCALE_BYTES]);
     const long long staging = align_up(pb) + align_up(sb);
-    uint8_t* s_payload = reinterpret_cast<uint8_t*>(smem + align_up(4LL * n_src * (E + 1)) + align_up(4LL * E)) +
+    uint8_t* s_payload = reinterpret_cast<uint8_t*>(smem + tally_bytes + align_up(4LL * E)) +
                          warp * staging;
     uint8_t* s_scales = s_payload + align_up(pb);
     load_tallies(ep, par, s_tally);
@@ -262,6 +275,9 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
                 reinterpret_cast<int*>(meta + ep[P_META_ROWS])[lane] = r == d ? row : -1;
             }
             if (sb) warp_copy16(meta + ep[P_META_SCALES], s_scales, align_up(sb), lane);
+            // Ready tag last: the warp's stores above happen before it (warp barrier + system-scope release).
+            __syncwarp();
+            if (lane == 0) store_release_sys_i32(reinterpret_cast<int*>(meta) + 1, round + 1);
         }
         if (ep[P_SHARED]) {
             // My own token is row t of my shared-expert group 0 (its scales too).
@@ -278,17 +294,8 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
         __syncwarp();  // the staging is reused by the warp's next token
     }
 
-    // 3. Last block: publish how many messages each destination got from me; re-arm the counters.
-    if (!last_block_done(ctr + C_DONE_SEND, s_flag)) return;
-    if (threadIdx.x < n_dest) {
-        const int r = ep[P_SKIP_A2A] ? rank : threadIdx.x;
-        const int count = ctr[C_RANK_SLOT + r];
-        ctr[C_RANK_SLOT + r] = 0;
-        fence_sys();
-        uint64_t* dst = reinterpret_cast<uint64_t*>(ep.peer(r, ep[P_OFF_DISP_COUNT])) + me;
-        store_release_u64(dst, static_cast<uint64_t>(count));
-    }
-    __syncthreads();
+    // 3. Last block: advance the round (every message already carries its own ready tag).
+    if (!last_block_done(ctr + C_DONE_SEND, s_flag, /*peer_writes=*/false)) return;
     if (threadIdx.x == 0) {
         ctr[C_DONE_SEND] = 0;
         ctr[C_DISP_ROUND] = round + 1;
@@ -308,20 +315,22 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
 
     __shared__ int s_ok;
     __shared__ int s_scan[32];
-    __shared__ uint64_t s_count[kMaxRanks];
     __shared__ int s_msg_start[kMaxRanks + 1];
 
-    uint64_t* counts = reinterpret_cast<uint64_t*>(ep.local(ep[P_OFF_DISP_COUNT]));
-    if (!block_wait_not_empty(counts, n_src, s_count, ep, K_DISPATCH_RECV, &s_ok)) return;
+    // The layout needs only the histograms (they arrive before any data); messages are then placed one by one
+    // as their ready tags land, so the copies below overlap the incoming stream.
+    const uint64_t* flags = reinterpret_cast<const uint64_t*>(ep.local(ep[P_OFF_HIST_FLAG])) + par * n_src;
+    if (!block_wait_flags_eq(flags, n_src, static_cast<uint64_t>(round) + 1, ep, K_DISPATCH_RECV, &s_ok)) return;
+    const int E1 = tally_len(ep);
     int* s_tally = reinterpret_cast<int*>(smem);
-    unsigned* s_offsets = reinterpret_cast<unsigned*>(s_tally + n_src * (E + 1));
+    unsigned* s_offsets = reinterpret_cast<unsigned*>(s_tally + n_src * E1);
     unsigned* s_tiles = s_offsets + align_up(G + 1, 4);
     load_tallies(ep, par, s_tally);
     if (threadIdx.x == 0) {
         s_offsets[0] = 0;
         if (sh) s_offsets[1] = shared_rows(ep, s_tally, rank);
         s_msg_start[0] = 0;
-        for (int s = 0; s < n_src; ++s) s_msg_start[s + 1] = s_msg_start[s] + static_cast<int>(s_count[s]);
+        for (int s = 0; s < n_src; ++s) s_msg_start[s + 1] = s_msg_start[s] + s_tally[s * E1 + E + 1];
     }
     __syncthreads();
     scan_rank_groups(ep, s_tally, rank, s_scan, [&](int, int l, int start, int size) {
@@ -344,7 +353,7 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
                 if (a.scales_offsets) a.scales_offsets[g] = s_tiles[g] - s_offsets[g] / kScaleTileRows;
             }
         }
-        if (threadIdx.x < n_src) a.msg_count[threadIdx.x] = static_cast<int>(s_count[threadIdx.x]);
+        if (threadIdx.x < n_src) a.msg_count[threadIdx.x] = s_tally[threadIdx.x * E1 + E + 1];
     }
 
     // Messages, one warp each: metadata, scales, and the copies for the other local experts the token chose.
@@ -356,6 +365,7 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
         while (m >= s_msg_start[s + 1]) ++s;
         const int i = m - s_msg_start[s];
         const char* meta = ep.local(ep[P_OFF_META]) + (s * T_max + i) * ep[P_META_BYTES];
+        if (!warp_wait_tag(reinterpret_cast<const int*>(meta) + 1, round + 1, ep, K_DISPATCH_RECV, s, lane)) break;
         const int t = *reinterpret_cast<const int*>(meta);
         const uint8_t* scales = reinterpret_cast<const uint8_t*>(meta + ep[P_META_SCALES]);
         const int src_rank = ep[P_SKIP_A2A] ? rank : s;
@@ -410,10 +420,10 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
     for (int g = blockIdx.x; g < G; g += gridDim.x) {
         const unsigned begin = s_offsets[g], end = s_offsets[g + 1];
         unsigned used = end;
-        if (sh && g == 0) used = s_tally[(ep[P_SKIP_A2A] ? 0 : rank) * (E + 1) + E];
+        if (sh && g == 0) used = s_tally[(ep[P_SKIP_A2A] ? 0 : rank) * E1 + E];
         else {
             int n = 0;
-            for (int s = 0; s < n_src; ++s) n += s_tally[s * (E + 1) + rank * L + (g - sh)];
+            for (int s = 0; s < n_src; ++s) n += s_tally[s * E1 + rank * L + (g - sh)];
             used = begin + n;
         }
         if constexpr (FMT == kFmtFp8) {
@@ -442,9 +452,8 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
         }
     }
 
-    // Last block: re-arm the counts for the next round.
+    // Last block: advance the round.
     if (!last_block_done(ctr + C_DONE_RECV, s_flag, /*peer_writes=*/false)) return;
-    if (threadIdx.x < n_src) counts[threadIdx.x] = kEmpty;
     if (threadIdx.x == 0) {
         ctr[C_DONE_RECV] = 0;
         ctr[C_RECV_ROUND] = round + 1;

@@ -41,7 +41,6 @@ enum Param : int {
     P_OFF_META,
     P_OFF_TALLY,
     P_OFF_HIST_FLAG,
-    P_OFF_DISP_COUNT,
     P_OFF_COMB_READY,
     P_OFF_COMB_COUNT,
     P_OFF_COUNTERS,
@@ -111,6 +110,27 @@ __device__ __forceinline__ void report_error(const EP& ep, int status, int kerne
 // resets the buffer). Bad routing input is only recorded: its choices are skipped and the round completes.
 __device__ __forceinline__ bool has_failed(const EP& ep) {
     return *reinterpret_cast<volatile int*>(ep.counters() + C_ERROR) == kStatusTimeout;
+}
+
+// Lane 0 spins (acquire, bounded) until *tag == want; the warp barrier then orders every lane's reads after it.
+// Returns false (after recording whom it waited for) on timeout or once the rank has failed.
+__device__ __forceinline__ bool warp_wait_tag(const int* tag, int want, const EP& ep, int kernel, int src, int lane) {
+    int ok = 1;
+    if (lane == 0) {
+        const uint64_t t0 = global_timer_ns();
+        while (load_acquire_sys_i32(tag) != want) {
+            if (has_failed(ep)) { ok = 0; break; }
+            if (global_timer_ns() - t0 > static_cast<uint64_t>(ep[P_TIMEOUT_NS])) {
+                report_error(ep, kStatusTimeout, kernel, -1, src);
+                ok = 0;
+                break;
+            }
+            __nanosleep(32);
+        }
+    }
+    ok = __shfl_sync(0xffffffffu, ok, 0);
+    __syncwarp();
+    return ok != 0;
 }
 
 // "Last block done" pattern: every block calls this once after its share of a phase (all threads); it returns true
