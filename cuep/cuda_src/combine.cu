@@ -16,6 +16,8 @@
 using namespace cuep;
 
 constexpr int kCombineThreads = 512;
+// Work items are (message or token, chunk of the row); chunk_units() sizes the chunks so that even a small decode
+// batch spreads over every SM while a large one keeps whole rows per warp.
 enum CombineMode : int { kPartial = 0, kWeighted = 1, kUnreduced = 2 };
 
 namespace {
@@ -86,6 +88,8 @@ __device__ void phase_send(const EP& ep, const CombineArgs& a, int round, int* s
 
     const TC* eo = static_cast<const TC*>(a.expert_out);
     const int n_vec = H / 8;
+    const int lane = threadIdx.x % kWarp, n_warps = blockDim.x / kWarp;
+    const int warp0 = (threadIdx.x / kWarp) * gridDim.x + blockIdx.x, warp_stride = gridDim.x * n_warps;
     if (a.mode == kPartial) {
         __shared__ int s_start[kMaxRanks + 1];
         if (threadIdx.x == 0) {
@@ -93,37 +97,63 @@ __device__ void phase_send(const EP& ep, const CombineArgs& a, int round, int* s
             for (int s = 0; s < n_src; ++s) s_start[s + 1] = s_start[s] + a.msg_count[s];
         }
         __syncthreads();
-        for (int m = blockIdx.x; m < s_start[n_src]; m += gridDim.x) {
+        // One warp per received message: the float32 sum of its rows here, weighted, sent back as one partial.
+        const int kChunkVecs = static_cast<int>(chunk_units(s_start[n_src], n_vec, kWarp));
+        const int n_chunks = (n_vec + kChunkVecs - 1) / kChunkVecs;
+        for (int item = warp0; item < s_start[n_src] * n_chunks; item += warp_stride) {
+            const int m = item / n_chunks, ch = item % n_chunks;
             int s = 0;
             while (m >= s_start[s + 1]) ++s;
             const long long mi = s * T_max + (m - s_start[s]);
-            const int* rows = a.msg_rows + mi * K;
+            const int row = lane < K ? a.msg_rows[mi * K + lane] : -1;
+            const float w = row >= 0 ? a.row_weight[row] : 0.f;
+            const unsigned rows_mask = __ballot_sync(0xffffffffu, row >= 0);
             const int t = a.msg_token[mi], j = a.msg_j[mi];
             const int r = ep[P_SKIP_A2A] ? rank : s;
             TC* dst = reinterpret_cast<TC*>(ep.peer(r, ep[P_OFF_COMB_RECV])) + (static_cast<long long>(t) * K + j) * H;
-            for (int c = threadIdx.x; c < n_vec; c += blockDim.x) {
+            const int c_end = min(n_vec, (ch + 1) * kChunkVecs);
+            for (int c0 = ch * kChunkVecs; c0 < c_end; c0 += kWarp) {
+                const int c = c0 + lane;
                 float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-                for (int k = 0; k < K; ++k) {
-                    const int row = rows[k];
-                    if (row < 0) continue;
-                    const float w = a.row_weight[row];
-                    float v[8];
-                    load8f(eo + static_cast<long long>(row) * H + 8 * c, v);
+                unsigned mk = rows_mask;
+                while (mk) {  // up to 4 rows per step, all loads issued before the first use
+                    int rk[4];
+                    float wk[4];
 #pragma unroll
-                    for (int i = 0; i < 8; ++i) acc[i] += w * v[i];
+                    for (int u = 0; u < 4; ++u) {
+                        const int k = mk ? __ffs(mk) - 1 : 0;
+                        const bool has = mk != 0;
+                        mk &= mk - 1;
+                        rk[u] = has ? __shfl_sync(0xffffffffu, row, k) : -1;
+                        wk[u] = __shfl_sync(0xffffffffu, w, k);
+                    }
+                    float v[4][8];
+#pragma unroll
+                    for (int u = 0; u < 4; ++u)
+                        if (rk[u] >= 0 && c < c_end) load8f(eo + static_cast<long long>(rk[u]) * H + 8 * c, v[u]);
+#pragma unroll
+                    for (int u = 0; u < 4; ++u)
+                        if (rk[u] >= 0)
+#pragma unroll
+                            for (int i = 0; i < 8; ++i) acc[i] += wk[u] * v[u][i];
                 }
-                store8f(dst + 8 * c, acc);
+                if (c < c_end) store8f(dst + 8 * c, acc);
             }
         }
     } else {
+        // One warp per dispatched row: the row goes back unchanged into slot k of its token.
         const int n_rows = static_cast<int>(a.row_offsets[ep[P_N_GROUPS]]);
-        for (int row = blockIdx.x; row < n_rows; row += gridDim.x) {
+        const int kChunkVecs = static_cast<int>(chunk_units(n_rows, n_vec, kWarp));
+        const int n_chunks = (n_vec + kChunkVecs - 1) / kChunkVecs;
+        for (int item = warp0; item < n_rows * n_chunks; item += warp_stride) {
+            const int row = item / n_chunks, ch = item % n_chunks;
             const int src = a.row_src[row], k = a.src_info[2LL * row + 1];
             if (src < 0 || k >= K) continue;  // padding, or the shared expert (stays local)
             const int t = a.src_info[2LL * row];
+            const long long first = static_cast<long long>(ch) * kChunkVecs * 8;
+            const long long n = min(static_cast<long long>(kChunkVecs) * 8, static_cast<long long>(H) - first);
             TC* dst = reinterpret_cast<TC*>(ep.peer(src, ep[P_OFF_COMB_RECV])) + (static_cast<long long>(t) * K + k) * H;
-            block_copy16(dst, eo + static_cast<long long>(row) * H, static_cast<long long>(H) * sizeof(TC), threadIdx.x,
-                         blockDim.x);
+            warp_copy16(dst + first, eo + static_cast<long long>(row) * H + first, n * sizeof(TC), lane);
         }
     }
     if (!last_block_done(ctr + C_DONE_CSEND, s_flag)) return;
@@ -142,14 +172,11 @@ __device__ void phase_send(const EP& ep, const CombineArgs& a, int round, int* s
 template <typename TC>
 __device__ void phase_recv(const EP& ep, const CombineArgs& a, int* s_flag) {
     const int K = static_cast<int>(ep[P_TOP_K]), H = static_cast<int>(ep[P_HIDDEN]);
-    const int L = static_cast<int>(ep[P_N_LOCAL]), R = static_cast<int>(ep[P_N_RANKS]);
+    const int L = static_cast<int>(ep[P_N_LOCAL]);
     const bool shared = ep[P_SHARED] != 0;
     int* ctr = ep.counters();
     __shared__ int s_ok;
     __shared__ uint64_t s_vals[kMaxRanks];
-    __shared__ int s_valid[64], s_rank_first[64];
-    __shared__ float s_w[64];
-    __shared__ int s_nj;
     const int n_dest = n_dest_ranks(ep);
     uint64_t* counts = reinterpret_cast<uint64_t*>(ep.local(ep[P_OFF_COMB_COUNT])) + dest_rank(ep, 0);
     if (!block_wait_not_empty(counts, n_dest, s_vals, ep, K_COMBINE_RECV, &s_ok)) return;
@@ -158,53 +185,61 @@ __device__ void phase_recv(const EP& ep, const CombineArgs& a, int* s_flag) {
     const TC* eo = static_cast<const TC*>(a.expert_out);
     const TC* res = static_cast<const TC*>(a.residual);
     TC* out = static_cast<TC*>(a.out);
-    const int n_vec = H / 8;
-    for (int t = blockIdx.x; t < a.num_tokens; t += gridDim.x) {
-        const int* ids = a.topk_ids + static_cast<long long>(t) * K;
-        if (threadIdx.x < K) {
-            const int k = threadIdx.x;
-            const bool v = valid_choice(ep, ids, k);
-            s_valid[k] = v;
-            s_w[k] = (a.mode == kWeighted && v) ? a.topk_weights[static_cast<long long>(t) * K + k] : 0.f;
-            // first valid choice of its rank: counts the token's destination ranks for the partial sums
-            int first = v;
-            for (int k2 = 0; k2 < k && first; ++k2)
-                if (valid_choice(ep, ids, k2) && ids[k2] / L == ids[k] / L) first = 0;
-            s_rank_first[k] = first;
+    const int n_vec = H / 8, E = static_cast<int>(ep[P_N_EXPERTS]);
+    const int lane = threadIdx.x % kWarp, n_warps = blockDim.x / kWarp;
+    // One warp per token, lane k = top-k choice k (the same validity rules as dispatch, with shuffles).
+    const int kChunkVecs = static_cast<int>(chunk_units(a.num_tokens, n_vec, kWarp));
+    const int n_chunks = (n_vec + kChunkVecs - 1) / kChunkVecs;
+    for (int item = (threadIdx.x / kWarp) * gridDim.x + blockIdx.x; item < a.num_tokens * n_chunks;
+         item += gridDim.x * n_warps) {
+        const int t = item / n_chunks, ch = item % n_chunks;
+        const int c_begin = ch * kChunkVecs, c_end = min(n_vec, c_begin + kChunkVecs);
+        const int e = lane < K ? a.topk_ids[static_cast<long long>(t) * K + lane] : -1;
+        bool valid = lane < K && e >= 0 && e < E && (!ep[P_SKIP_A2A] || e / L == ep[P_RANK]);
+        for (int k2 = 0; k2 < K; ++k2) {
+            const int v = __shfl_sync(0xffffffffu, e, k2);
+            if (k2 < lane && v == e) valid = false;
         }
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            int nj = 0;
-            for (int k = 0; k < K; ++k) nj += s_rank_first[k];
-            s_nj = nj;
+        const unsigned valid_mask = __ballot_sync(0xffffffffu, valid);
+        bool first_of_rank = valid;
+        for (int k2 = 0; k2 < K; ++k2) {
+            const int v = __shfl_sync(0xffffffffu, e, k2);
+            if (k2 < lane && ((valid_mask >> k2) & 1u) && v / L == e / L) first_of_rank = false;
         }
-        __syncthreads();
+        // partial sums: one per destination rank of the token (with skip_a2a, one if any choice was local)
+        const int n_partials = __popc(__ballot_sync(0xffffffffu, first_of_rank));
+        const float w = (a.mode == kWeighted && valid) ? a.topk_weights[static_cast<long long>(t) * K + lane] : 0.f;
         const TC* slots = recv + static_cast<long long>(t) * K * H;
         if (a.mode == kUnreduced) {
             const int width = K + (shared ? 1 : 0);
             TC* o = out + static_cast<long long>(t) * width * H;
-            for (int i = threadIdx.x; i < width * n_vec; i += blockDim.x) {
-                const int k = i / n_vec, c = i % n_vec;
+            const int span = c_end - c_begin;
+            for (int i = lane; i < width * span; i += kWarp) {
+                const int k = i / span, c = c_begin + i % span;
                 float v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
                 if (k < K) {
-                    if (s_valid[k]) load8f(slots + static_cast<long long>(k) * H + 8 * c, v);
+                    if ((valid_mask >> k) & 1u) load8f(slots + static_cast<long long>(k) * H + 8 * c, v);
                 } else {
                     load8f(eo + static_cast<long long>(t) * H + 8 * c, v);  // shared expert: group 0, row t
                 }
                 store8f(o + static_cast<long long>(k) * H + 8 * c, v);
             }
         } else {
-            const int n_slots = a.mode == kPartial ? s_nj : K;
-            for (int c = threadIdx.x; c < n_vec; c += blockDim.x) {
+            const int n_slots = a.mode == kPartial ? n_partials : K;
+            for (int c0 = c_begin; c0 < c_end; c0 += kWarp) {
+                const int c = c0 + lane;
                 float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
                 for (int j = 0; j < n_slots; ++j) {
-                    if (a.mode == kWeighted && !s_valid[j]) continue;
-                    const float w = a.mode == kWeighted ? s_w[j] : 1.f;
-                    float v[8];
-                    load8f(slots + static_cast<long long>(j) * H + 8 * c, v);
+                    if (a.mode == kWeighted && !((valid_mask >> j) & 1u)) continue;  // warp-uniform
+                    const float wj = a.mode == kWeighted ? __shfl_sync(0xffffffffu, w, j) : 1.f;
+                    if (c < c_end) {
+                        float v[8];
+                        load8f(slots + static_cast<long long>(j) * H + 8 * c, v);
 #pragma unroll
-                    for (int i = 0; i < 8; ++i) acc[i] += w * v[i];
+                        for (int i = 0; i < 8; ++i) acc[i] += wj * v[i];
+                    }
                 }
+                if (c >= c_end) continue;
                 if (shared) {
                     float v[8];
                     load8f(eo + static_cast<long long>(t) * H + 8 * c, v);
@@ -220,9 +255,7 @@ __device__ void phase_recv(const EP& ep, const CombineArgs& a, int* s_flag) {
                 store8f(out + static_cast<long long>(t) * H + 8 * c, acc);
             }
         }
-        __syncthreads();
     }
-    (void)R;
     if (!last_block_done(ctr + C_DONE_CRECV, s_flag, /*peer_writes=*/false)) return;
     if (threadIdx.x < n_dest) counts[threadIdx.x] = kEmpty;
     if (threadIdx.x == 0) ctr[C_DONE_CRECV] = 0;

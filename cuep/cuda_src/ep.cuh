@@ -112,6 +112,19 @@ __device__ __forceinline__ bool has_failed(const EP& ep) {
     return *reinterpret_cast<volatile int*>(ep.counters() + C_ERROR) == kStatusTimeout;
 }
 
+// Split each of `items` rows of `unit_count` units into chunks so the grid's warps all get work: one chunk per
+// item when items outnumber warps (prefill), up to one unit per lane-step when they are few (decode).
+// Returns the chunk size in units, a multiple of `align_units`.
+__device__ __forceinline__ long long chunk_units(long long items, long long unit_count, long long align_units) {
+    const long long warps = static_cast<long long>(gridDim.x) * (blockDim.x / kWarp);
+    long long n = items > 0 ? warps / items : 1;
+    n = n < 1 ? 1 : n;
+    const long long max_n = (unit_count + align_units - 1) / align_units;
+    n = n > max_n ? max_n : n;
+    const long long per = (unit_count + n - 1) / n;
+    return (per + align_units - 1) / align_units * align_units;
+}
+
 // Lane 0 spins (acquire, bounded) until *tag == want; the warp barrier then orders every lane's reads after it.
 // Returns false (after recording whom it waited for) on timeout or once the rank has failed.
 __device__ __forceinline__ bool warp_wait_tag(const int* tag, int want, const EP& ep, int kernel, int src, int lane) {
