@@ -37,8 +37,13 @@ def source_hash() -> str:
 
 
 def compile_options() -> tuple[str, ...]:
-    """The options cuep passes to ``cupy.RawModule`` (CuPy adds :data:`CUPY_IMPLICIT_OPTIONS` and -arch)."""
-    return ("--std=c++17", f"-I{SRC_DIR}", f"-DCUEP_SRC_HASH=0x{source_hash()}ULL")
+    """The options cuep passes to ``cupy.RawModule`` (CuPy adds :data:`CUPY_IMPLICIT_OPTIONS` and -arch).
+
+    ``CUEP_EXTRA_DEFINES="A=1 B=2"`` appends ``-DA=1 -DB=2``: a developer knob for A/B tuning runs (the kernels'
+    tuning constants can be overridden that way; see formats.cuh).
+    """
+    extra = tuple(f"-D{d}" for d in os.environ.get("CUEP_EXTRA_DEFINES", "").split())
+    return ("--std=c++17", f"-I{SRC_DIR}", f"-DCUEP_SRC_HASH=0x{source_hash()}ULL", *extra)
 
 
 def kernel_files() -> list[str]:

@@ -104,6 +104,22 @@ def test_formats_cuh_constants_match_python():
     assert int(c["kMaxGroups"]) == ops._MAX_GROUPS
 
 
+def test_silu_constants_match_reference():
+    """formats.cuh's silu_f32 constants (hex float literals) are the reference's float32 constants, bit for bit."""
+    c = _cuh_constants("formats.cuh")
+
+    def f32(name):
+        return np.float32(float.fromhex(c[name].rstrip("f")) if "0x" in c[name] else float(c[name].rstrip("f")))
+
+    assert f32("kSiluXMin") == ref_ep.SILU_X_MIN and f32("kSiluXMax") == ref_ep.SILU_X_MAX
+    pairs = [("kSiluLog2e", ref_ep.SILU_LOG2E), ("kSiluLn2Hi", ref_ep.SILU_LN2_HI), ("kSiluLn2Lo", ref_ep.SILU_LN2_LO),
+             ("kSiluC6", ref_ep.SILU_POLY[0]), ("kSiluC5", ref_ep.SILU_POLY[1]), ("kSiluC4", ref_ep.SILU_POLY[2]),
+             ("kSiluC3", ref_ep.SILU_POLY[3]), ("kSiluC2", ref_ep.SILU_POLY[4])]
+    for name, want in pairs:
+        assert f32(name).view(np.uint32) == np.float32(want).view(np.uint32), name
+    assert f32("kSiluRint") == np.float32(1.5 * 2**23)
+
+
 def test_bad_format_names_fail_before_the_gpu():
     x = np.zeros((2, 128), np.float32)
     with pytest.raises(ValueError, match="fmt"):
@@ -652,6 +668,89 @@ def test_element_encoders(rng):
         assert_same_bits(e4m3[num], ref.e4m3_encode(v)[num], "e4m3")
         assert_same_bits(e2m1, ref.e2m1_encode(v), "e2m1")
         assert_same_bits(flushed, ref.ftz(v), "ftz")
+
+
+# ---- formats.cuh's arithmetic primitives, called directly (float32 results, bit for bit) ------------------------
+_PRIMITIVES_SRC = r"""
+#include "formats.cuh"
+extern "C" __global__ void t_silu(const float* g, float* out, long long n) {
+    const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i < n) out[i] = cuep::silu_f32(g[i]);
+}
+extern "C" __global__ void t_e2m1x8(const float* v, unsigned* out, long long n) {  // n words, 8 values each
+    const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i < n) {
+        float w[8];
+        for (int k = 0; k < 8; ++k) w[k] = v[8 * i + k];
+        out[i] = cuep::e2m1x8_encode(w);
+    }
+}
+extern "C" __global__ void t_fp8div(const float* x, const float* s, float* out, long long n) {
+    const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i < n) out[i] = cuep::div_rn_by(x[i], s[i], __frcp_rn(s[i]));
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def primitives():
+    mod = cupy.RawModule(code=_PRIMITIVES_SRC, options=_kernels.compile_options())
+    return {k: mod.get_function(k) for k in ("t_silu", "t_e2m1x8", "t_fp8div")}
+
+
+def _launch1d(kernel, n, *args):
+    kernel(((n + 255) // 256,), (256,), (*args, np.int64(n)))
+
+
+@pytest.mark.gpu
+def test_silu_f32_device_matches_reference(rng, primitives):
+    """cuep::silu_f32 against cuep.reference.ep.silu_f32 on 2**20 random bit patterns, 2**21 values in [-100, 100]
+    and [-1, 1], and the special points."""
+    special = np.array([0.0, -0.0, 87.0, -87.0, 88.0, -88.0, 88.37626, -88.37626, 88.37627, -88.37627, 88.5, -88.5,
+                        89.0, -89.0, 1e-30, -1e-30, 1e-40, -1e-40, 3e38, -3e38, np.inf, -np.inf, np.nan], np.float32)
+    g = np.concatenate([rng.integers(0, 2**32, 1 << 20, dtype=np.uint64).astype(np.uint32).view(np.float32),
+                        rng.uniform(-100, 100, 1 << 20).astype(np.float32),
+                        rng.uniform(-1, 1, 1 << 20).astype(np.float32), special])
+    out = cupy.empty(g.size, np.float32)
+    _launch1d(primitives["t_silu"], g.size, cupy.asarray(g), out)
+    assert_same_floats(out.get(), ref_ep.silu_f32(g), "silu_f32")
+
+
+@pytest.mark.gpu
+def test_e2m1x8_device_matches_reference(rng, primitives):
+    """cuep::e2m1x8_encode (the quantizers' packed e2m1) on 2**22 random bit patterns and 2**22 values in the e2m1
+    range, NaN/Inf/-0/subnormals included, against the reference codes packed low nibble first."""
+    v = np.concatenate([rng.integers(0, 2**32, 1 << 22, dtype=np.uint64).astype(np.uint32).view(np.float32),
+                        rng.uniform(-7, 7, 1 << 22).astype(np.float32)])
+    edges = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 1e-40, 0.0], np.float32)
+    v[: 8 * edges.size] = np.repeat(np.concatenate([edges, -edges]), 4)[: 8 * edges.size]
+    out = cupy.empty(v.size // 8, np.uint32)
+    _launch1d(primitives["t_e2m1x8"], v.size // 8, cupy.asarray(v), out)
+    codes = ref.e2m1_encode(v).astype(np.uint32).reshape(-1, 8)
+    want = np.bitwise_or.reduce(codes << (4 * np.arange(8, dtype=np.uint32)), axis=1)
+    assert_same_bits(out.get(), want, "e2m1x8")
+
+
+@pytest.mark.gpu
+def test_fp8_division_device_is_the_ieee_quotient(rng, primitives):
+    """cuep::div_rn_by (RN(1/s), two FMA corrections) against NumPy's float32 x / s on 2**22 pairs: random, near
+    rounding midpoints, few-bit quotients, over the fp8 quantizer's range of s (2.2e-7 .. 7.6e35)."""
+    s = np.exp(rng.uniform(np.log(2.3e-7), np.log(7.5e35), 1 << 14)).astype(np.float32)
+    s64 = s[:, None].astype(np.float64)
+    q = rng.integers(0x3B000000, 0x43E00000, (s.size, 96), dtype=np.uint32).view(np.float32)  # 2**-9 .. 448
+    mid = q.astype(np.float64) + np.spacing(q).astype(np.float64) / 2                        # rounding midpoints
+    near = (s64 * mid).astype(np.float32)
+    near = (near.view(np.int32) + rng.integers(-3, 4, near.shape, dtype=np.int32)).view(np.float32)
+    x = np.concatenate([(s64 * rng.uniform(-448, 448, (s.size, 96))).astype(np.float32),      # |x / s| <= 448
+                        (s64 * (rng.integers(-3584, 3585, (s.size, 64)) / 8.0)).astype(np.float32),  # few bits
+                        near * np.where(rng.random(near.shape) < 0.5, -1, 1).astype(np.float32)], axis=1)
+    x[:, 0], x[:, 1] = 0.0, -0.0
+    ss = np.broadcast_to(s[:, None], x.shape).astype(np.float32)
+    out = cupy.empty(x.size, np.float32)
+    _launch1d(primitives["t_fp8div"], x.size, cupy.asarray(x.ravel()), cupy.asarray(ss.ravel()), out)
+    with np.errstate(all="ignore"):
+        want = ref.ftz(x.ravel() / ss.ravel())
+    assert_same_bits(out.get(), want, "x / s")
 
 
 @pytest.mark.gpu

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from cuep.config import EPConfig
-from cuep.reference.ep import Dispatched, combine, dispatch, fused_silu
+from cuep.reference.ep import (SILU_LN2_HI, SILU_LN2_LO, SILU_LOG2E, SILU_POLY, Dispatched, combine, dispatch,
+                               fused_silu, silu_f32)
 from cuep.reference.quant import dequantize, quantize, swizzle_block_scales, unswizzle_block_scales
 
 FORMATS = ["bf16", "fp8", "nvfp4", "mxfp4"]
@@ -363,8 +364,7 @@ def test_fused_silu(fmt, interleaved, h_dtype, rng):
 
     ref = silu_mul64(h[:rows], inter, interleaved)
     g, u = (h[:rows, 0::2], h[:rows, 1::2]) if interleaved else (h[:rows, :inter], h[:rows, inter:])
-    g64 = g.astype(np.float64)
-    y32 = (g64 / (1 + np.exp(-g64))).astype(np.float32) * u.astype(np.float32)
+    y32 = silu_f32(np.ascontiguousarray(g, dtype=np.float32)) * u.astype(np.float32)
     if fmt == "bf16":
         assert a.dtype == ml_dtypes.bfloat16 and a.shape == (rows, inter)
         np.testing.assert_array_equal(a.astype(np.float32), y32.astype(ml_dtypes.bfloat16).astype(np.float32))
@@ -388,6 +388,70 @@ def test_fused_silu(fmt, interleaved, h_dtype, rng):
     a_tol, b_tol = TOL[fmt]
     amax = np.abs(ref).max(1, keepdims=True)
     assert np.all(np.abs(deq - ref) <= a_tol * np.abs(ref) + b_tol * amax + 1e-6)
+
+
+# ---- silu in float32 (docs/formats.md, "Fused SwiGLU") ----------------------------------------------------------
+SILU_SPECIAL = np.array([0.0, -0.0, 1.0, -1.0, 0.5, -0.5, 17.0, -17.0, 20.0, -20.0, 87.0, -87.0, 87.5, -87.5,
+                         88.0, -88.0, 88.37626, -88.37626, 88.37627, -88.37627, 88.5, -88.5, 89.0, -89.0, 100.0,
+                         -100.0, 1e-30, -1e-30, 1e-38, -1e-38, 1e-40, -1e-40, 2.0**-126, -(2.0**-126), 1e20, -1e20,
+                         3e38, -3e38, np.finfo(np.float32).max, -np.finfo(np.float32).max, np.inf], np.float32)
+
+
+def _silu_scalar(g: np.float32) -> np.float32:
+    """The contract's silu written out one np.float32 scalar operation at a time (no arrays, no helpers but a scalar
+    flush), to check that silu_f32 is exactly that sequence of float32 operations."""
+    tiny = np.float32(2.0**-126)
+
+    def f(a):  # FTZ of one float32 scalar
+        a = np.float32(a)
+        return np.float32(np.copysign(np.float32(0.0), a)) if abs(a) < tiny else a
+
+    g = f(g)
+    x = f(min(max(f(-g), np.float32(-87.0)), np.float32(89.0)))
+    n = np.float32(np.rint(f(x * SILU_LOG2E)))
+    r = f(f(x - f(n * SILU_LN2_HI)) - f(n * SILU_LN2_LO))
+    p = SILU_POLY[0]
+    for c in SILU_POLY[1:]:
+        p = f(f(p * r) + c)
+    scale = np.float32(np.ldexp(np.float32(1.0), int(n))) if n < 128 else np.float32(np.inf)
+    e = f(p * scale)
+    return f(g / f(np.float32(1.0) + e))
+
+
+def test_silu_f32_is_the_contract_sequence(rng):
+    g = np.concatenate([SILU_SPECIAL, rng.uniform(-100, 100, 300).astype(np.float32),
+                        (rng.standard_normal(100) * 3).astype(np.float32)])
+    got = silu_f32(g)
+    with np.errstate(all="ignore"):
+        want = np.array([_silu_scalar(v) for v in g], np.float32)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_silu_f32_accuracy(rng):
+    """Within 2.5 float32 ulp (the contract says so: 2.47 at worst over all float32) of float64 silu where that exceeds
+    2**-120 in magnitude; below that (g below about -87.7), within 2**-120 absolute and of the right sign."""
+    g = np.concatenate([rng.uniform(-100, 100, 1_000_000), rng.uniform(-2, 2, 200_000),
+                        rng.standard_normal(200_000) * 8, SILU_SPECIAL[np.isfinite(SILU_SPECIAL)]]).astype(np.float32)
+    sv = silu_f32(g).astype(np.float64)
+    g64 = g.astype(np.float64)
+    with np.errstate(over="ignore"):
+        exact = g64 / (1.0 + np.exp(-g64))
+        ulp = np.maximum(np.spacing(np.abs(exact.astype(np.float32))).astype(np.float64), 2.0**-149)
+    small = np.abs(exact) <= 2.0**-120
+    err = np.abs(sv - exact) / ulp
+    assert err[~small].max() <= 2.5, f"max error {err[~small].max():.3f} ulp at g={g[~small][np.argmax(err[~small])]}"
+    assert np.all(np.abs(sv[small] - exact[small]) <= 2.0**-120)
+    assert np.all(np.signbit(sv) == np.signbit(exact))
+    # flushed subnormal gates, saturated ends, non-finite inputs
+    sp = silu_f32(np.array([1e-40, -1e-40, 3e38, -3e38, -88.37627, np.inf, -np.inf, np.nan], np.float32))
+    assert sp[0] == 0 and not np.signbit(sp[0]) and sp[1] == 0 and np.signbit(sp[1])
+    assert sp[2] == np.float32(3e38) and sp[3] == 0 and np.signbit(sp[3]) and sp[4] == 0 and np.signbit(sp[4])
+    assert sp[5] == np.inf and np.isnan(sp[6]) and np.isnan(sp[7])
+
+
+def test_silu_f32_validation():
+    with pytest.raises(ValueError, match="float32"):
+        silu_f32(np.zeros(4, np.float64))
 
 
 def test_fused_silu_ftz_and_extremes():

@@ -146,6 +146,61 @@ def test_e2m1_encode_thresholds_and_signs():
     np.testing.assert_array_equal(e2m1_encode(nan), [0x7 | (np.signbit(nan[0]) << 3), 0x7 | (np.signbit(nan[1]) << 3)])
 
 
+# ---- the kernels' bit algorithms, emulated (scripts/check_exhaustive.py checks them over all inputs) ----------
+def _exhaustive_script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "check_exhaustive.py"
+    spec = importlib.util.spec_from_file_location("check_exhaustive", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _e2m1_special_points() -> np.ndarray:
+    thr = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 7.0, 8.0, 12.0,
+                    2.0**-126, 2.0**-149, np.finfo(F32).max], F32)
+    with np.errstate(over="ignore"):
+        near = np.concatenate([thr, np.nextafter(thr, F32(0)), np.nextafter(thr, F32(np.inf))])
+    bits = np.array([0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00000, 0x7F800001, 0xFFFFFFFF, 0x00000001,
+                     0x807FFFFF, 0x00000000, 0x80000000], np.uint32).view(F32)
+    return np.concatenate([near, -near, bits])
+
+
+def test_e2m1_device_algorithm_matches_reference(rng):
+    """The kernel's e2m1 (min/max, Veltkamp's split, a saturating add, one integer add) on 1e6 random bit patterns,
+    1e6 values in the e2m1 range and the special points; `python scripts/check_exhaustive.py e2m1` does all 2**32."""
+    chk = _exhaustive_script()
+    v = np.concatenate([rng.integers(0, 2**32, 1_000_000, dtype=np.uint64).astype(np.uint32).view(F32),
+                        rng.uniform(-7, 7, 1_000_000).astype(F32), _e2m1_special_points()])
+    assert chk.check_e2m1(v) == 0
+    # eight at a time, packed as the kernels store them (e2m1x8_encode)
+    v8 = np.resize(np.concatenate([rng.uniform(-7, 7, 4000).astype(F32), _e2m1_special_points()]), (1000, 8))
+    rng.shuffle(v8.reshape(-1))
+    codes = e2m1_encode(v8).astype(np.uint32)
+    want = np.bitwise_or.reduce(codes << (4 * np.arange(8, dtype=np.uint32)), axis=1)
+    np.testing.assert_array_equal(chk.e2m1x8_device(v8), want)
+
+
+def test_fp8_division_algorithm_is_the_ieee_quotient(rng):
+    """The fp8 quantizer's x / s (RN(1/s), two FMA corrections, the sign of x) on 2**20 pairs of significands,
+    a third of them with the quotient within a few ulps of a rounding midpoint; plus the quantizer's extremes.
+    `python scripts/check_exhaustive.py fp8div` checks every divisor significand."""
+    chk = _exhaustive_script()
+    s = rng.integers(0x3F800000, 0x40000000, 4096, dtype=np.uint32).view(F32)
+    assert chk.check_fp8div(chk.fp8div_dividends(rng, s, 256), s[:, None]) == 0
+    # real scales: s = max(amax, 1e-4) / 448 with x in [-amax, amax], |x / s| >= 2**-11, at the range's ends
+    amax = np.array([1e-4, 1.5e-4, 1.0, 448.0, 3e5, 1e30, np.finfo(F32).max], F32)
+    s = (np.maximum(amax, F32(1e-4)) / F32(448)).astype(F32)
+    x = np.concatenate([np.linspace(-1, 1, 2001), [2.0**-11 * 448, -(2.0**-11) * 448]]).astype(F32)
+    x = (amax[:, None] * x[None, :]).astype(F32)
+    assert chk.check_fp8div(x, s[:, None]) == 0
+    zeros = np.array([0.0, -0.0], F32)
+    got = chk.div_rn_by(zeros, np.array([1.0, 1.0], F32), np.array([1.0, 1.0], F32))
+    np.testing.assert_array_equal(got.view(np.uint32), zeros.view(np.uint32))  # -0 / s = -0 (sign copied)
+
+
 def test_e2m1_decode_table():
     codes = np.arange(16, dtype=U8)
     got = e2m1_decode(codes)

@@ -1,19 +1,25 @@
 // cuep wire formats on the device: the bit-exact rules of docs/formats.md (the NumPy oracle is cuep.reference).
 //
-// Element primitives (e4m3, e2m1, bf16, powers of two, FTZ), the 128x4 swizzled scale offset, and a WARP-level
-// quantizer that every kernel producing a quantized row reuses (quantize, fused_silu, and later dispatch):
+// Element primitives (e4m3, e2m1, bf16, powers of two, FTZ, fused_silu's float32 silu), the 128x4 swizzled scale
+// offset, and a WARP-level quantizer that every kernel producing a quantized row reuses (quantize, fused_silu,
+// dispatch):
 //
-//   each lane holds 8 consecutive values of a row (one 16-byte bf16 load, two for float32); a warp step covers
-//   256 values; a scale block is an aligned group of lanes (fp8: 16 lanes, nvfp4: 2, mxfp4: 4); the block amax is
-//   reduced with __shfl_xor_sync inside that group; every lane writes its own payload bytes and the block's first
-//   lane (the leader) its scale.
+//   a warp step covers 256 values, 8 consecutive ones per lane (one 16-byte bf16 load, two for float32); with an
+//   even number of steps per span (quantize, fused_silu) the steps go in pairs and each lane holds 16 consecutive
+//   values instead (two adjacent 16-byte loads). A scale block is an aligned group of lanes (8 values per lane:
+//   fp8 16 lanes, nvfp4 2, mxfp4 4; 16 per lane: fp8 8, nvfp4 1, mxfp4 2); the block amax is reduced with
+//   __shfl_xor_sync inside that group; every lane writes its own payload bytes and the block's first lane (the
+//   leader) its scale.
 //
-// Arithmetic: every float32 multiply and divide of the contract is an explicit __fmul_rn / __fdiv_rn (and the
-// double ones of fused_silu __dadd_rn / __ddiv_rn), IEEE round-to-nearest and never contracted into an FMA, so
-// -fmad cannot change a result. CuPy compiles with -ftz=true: these, fabsf and fmaxf flush subnormal operands and
-// results to zero of the same sign, which is the contract's FTZ policy (the PTX shows div.rn.ftz, mul.rn.ftz,
-// max.ftz). Conversions the flag does not cover are done with bit operations (bf16, e4m3/e2m1 decode, ftz()).
+// Arithmetic: every float32 multiply, add and divide of the contract is an explicit __fmul_rn / __fadd_rn /
+// __fsub_rn / __fdiv_rn, IEEE round-to-nearest and never contracted into an FMA, so -fmad cannot change a result;
+// the only FMAs are the fp8 quotient's exact corrections (div_rn_by). CuPy compiles with -ftz=true: these, fabsf,
+// fminf and fmaxf flush subnormal operands and results to zero of the same sign, which is the contract's FTZ policy
+// (the PTX shows div.rn.ftz, mul.rn.ftz, max.ftz). Conversions the flag does not cover are done with bit operations
+// or exact hardware conversions (bf16, e4m3/e2m1 decode, ftz()).
 #pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
 #include "common.cuh"
@@ -92,22 +98,55 @@ __device__ __forceinline__ float e4m3_decode(uint32_t b) {
     return __uint_as_float(sign | (exp + 120u) << 23 | man << 20);  // bias 7 -> bias 127
 }
 
+// e4m3 byte -> float32 by the hardware conversion (F2FP e4m3 -> f16, then f16 -> f32: two instructions, exact for
+// every finite code; a NaN code gives some NaN).
+__device__ __forceinline__ float e4m3_to_float(uint32_t b) {
+    return __half2float(__half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(b), __NV_E4M3)));
+}
+
 // ---- e2m1 ---------------------------------------------------------------------------------------------------
 // cvt_e2m1 of docs/formats.md: round to nearest even on {0, .5, 1, 1.5, 2, 3, 4, 6}, saturating at 6; the sign
 // bit (0x8) is the sign bit of v (-0.0 and tiny negatives give 0x8); NaN gives magnitude 7, as the reference.
-// The threshold rule is a round to nearest even on the grid of |v|'s range: [0, 2) has step 0.5 (codes 0..4),
-// [2, 4) step 1 (codes 4..6), [4, 6] step 2 (codes 6..7). Adding 2**22 / 2**23 / 2**24 (whose ulp is that step)
-// does the rounding in one float addition, and its ties to even are exactly the contract's even codes
-// (0.25 -> 0, 0.75 -> 1.0, 1.25 -> 1.0, 1.75 -> 2.0, 2.5 -> 2.0, 3.5 -> 4.0, 5.0 -> 4.0). Checked against the
-// reference over all 2**32 float32 bit patterns. fminf(NaN, 6) = 6 gives NaN the top code; fabsf flushes
-// subnormals (ftz), which the thresholds send to 0 anyway.
-__device__ __forceinline__ uint32_t e2m1_encode(float v) {
+//
+// Magnitude, with a = min(|v|, 6) (FMNMX.FTZ: NaN -> 6, Inf -> 6, subnormal -> 0), from float32 operations that
+// round once each and exactly where the grid does, plus one integer add (no compare, no select):
+//   big   = the code of w = max(a, 1): for w >= 1 the grid's steps (0.5 in [1, 2), 1 in [2, 4), 2 in [4, 6]) are
+//           one kept mantissa bit, so w rounded to 2 significant bits, ties to even (Veltkamp's split with
+//           C = 2**22 + 1: hi = w*C - (w*C - w)), is the rounded value, hi in {1, 1.5, 2, 3, 4, 6}, and
+//           bits(hi) >> 22 = 252 + code (1.0 -> 2 ... 6.0 -> 7);
+//   small = min(a, 1) + 2**22 (FADD.SAT, then an add whose ulp is the step 0.5, ties to even: 0.25 -> 0,
+//           0.75 -> 1.0): bits(small) = 0x4A800000 + code (0, 1 or 2);
+//   code  = (big code) + (small code) - 2: a < 1 has big code 2, a >= 1 has small code 2.
+// Identical to cuep.reference.quant.e2m1_encode over all 2**32 float32 bit patterns: scripts/check_exhaustive.py
+// (e2m1) runs a NumPy emulation of exactly these operations over all of them. __fmul_rn / __fsub_rn / __fadd_rn
+// are never contracted into an FMA; w, hi and the sums are normal numbers (FTZ changes nothing).
+constexpr uint32_t kE2m1Bias = 252u + 0x4A800000u + 2u;  // e2m1_biased(v) - kE2m1Bias = the magnitude code
+
+// code + kE2m1Bias (mod 2**32), magnitude only: the sign is added by the callers.
+__device__ __forceinline__ uint32_t e2m1_biased(float v) {
     const float a = fminf(fabsf(v), kE2m1Max);
-    const bool lo = a < 2.0f, mid = a < 4.0f;
-    const float magic = lo ? 0x1p22f : (mid ? 0x1p23f : 0x1p24f);
-    const uint32_t first_code = lo ? 0u : (mid ? 2u : 4u);
-    const float t = __fadd_rn(a, magic);
-    return (__float_as_uint(t) - __float_as_uint(magic) + first_code) | (__float_as_uint(v) >> 28 & 8u);
+    const float w = fmaxf(a, 1.0f);
+    const float wc = __fmul_rn(w, 4194305.0f);                      // w * (2**22 + 1), exact range: w <= 6
+    const float hi = __fsub_rn(wc, __fsub_rn(wc, w));                // w rounded to 2 significant bits (RNE)
+    const float small = __fadd_rn(__saturatef(a), 0x1p22f);          // FADD.SAT: min(a, 1), then the 0.5 step
+    return (__float_as_uint(hi) >> 22) + __float_as_uint(small);     // one LEA.HI
+}
+
+__device__ __forceinline__ uint32_t e2m1_encode(float v) {
+    return (e2m1_biased(v) - kE2m1Bias) | (__float_as_uint(v) >> 28 & 8u);
+}
+
+// Eight codes packed into a word, element i in nibble i (element 2i in the low nibble of byte i). The biased
+// magnitudes are summed into place (the bias of all eight cancels in one constant, no carries: each code <= 7);
+// the sign bits are gathered with funnel shifts of the raw bits (the top nibble of each, masked once).
+__device__ __forceinline__ uint32_t e2m1x8_encode(const float (&v)[kLaneValues]) {
+    uint32_t mag = 0u - kE2m1Bias * 0x11111111u;
+#pragma unroll
+    for (int i = 0; i < kLaneValues; ++i) mag += e2m1_biased(v[i]) << (4 * i);
+    uint32_t sign = __float_as_uint(v[kLaneValues - 1]) >> 28;
+#pragma unroll
+    for (int i = kLaneValues - 2; i >= 0; --i) sign = __funnelshift_l(__float_as_uint(v[i]), sign, 4);
+    return mag | (sign & 0x88888888u);
 }
 
 // e2m1 code (0..15) -> float32, exact (code 8 is -0.0).
@@ -115,6 +154,46 @@ __device__ __forceinline__ float e2m1_decode(uint32_t code) {
     const uint32_t exp = code >> 1 & 3u, man = code & 1u;
     const uint32_t mag = exp ? ((exp + 126u) << 23 | man << 22) : (man ? 0x3F000000u : 0u);  // 0x3F000000 = 0.5
     return __uint_as_float((code & 8u) << 28 | mag);
+}
+
+// ---- silu (fused SwiGLU) ------------------------------------------------------------------------------------
+// sv = silu(g) = g / (1 + e**-g) in float32 exactly as docs/formats.md ("Fused SwiGLU") and
+// cuep.reference.ep.fused_silu compute it: every product, sum and the quotient rounded to nearest even (never an
+// FMA: __fmul_rn / __fadd_rn / __fsub_rn / __fdiv_rn), flushed (-ftz=true). Within 2.5 float32 ulp of the exact
+// silu (2.47 at worst over all float32) wherever that exceeds 2**-120 in magnitude.
+//   x = clamp(-g, -87, 89) (fminf / fmaxf: NaN gives -87)
+//   n = rint(x * log2e)              via t = (x * log2e) + 1.5 * 2**23 (exact rint, ties to even: |x * log2e| < 129)
+//   r = (x - n * ln2_hi) - n * ln2_lo
+//   p = ((((((c6 r + c5) r + c4) r + c3) r + c2) r + 1) r + 1  (Horner, each * and + rounded)
+//   e = p * 2**n, 2**n from the bits of t: (bits(t) << 23) + bits(1.0) = (n + 127) << 23, n + 127 in [1, 255]
+//       (255, i.e. x >= 88.37627: +Inf, so e = +Inf and sv = -0)
+//   sv = g / (1 + e)
+constexpr float kSiluXMin = -87.0f;                  // e**x > 0 normal below; 1 + e == 1 already from x < -17
+constexpr float kSiluXMax = 89.0f;                   // rint(89 * log2e) = 128: 2**n = +Inf
+constexpr float kSiluLog2e = 0x1.715476p+0f;         // 1.44269504f
+constexpr float kSiluRint = 0x1.8p+23f;              // 1.5 * 2**23: adding it rounds to an integer
+constexpr float kSiluLn2Hi = 0x1.63p-1f;             // 0.693359375 (9 bits: n * ln2_hi exact)
+constexpr float kSiluLn2Lo = -0x1.bd0106p-13f;       // -2.12194440e-4
+constexpr float kSiluC6 = 0x1.6a1a8ep-10f;           // minimax e**r on |r| <= 0.35 (relative error 3.3e-9)
+constexpr float kSiluC5 = 0x1.123fb6p-7f;
+constexpr float kSiluC4 = 0x1.555916p-5f;
+constexpr float kSiluC3 = 0x1.55548ap-3f;
+constexpr float kSiluC2 = 0x1.fffffcp-2f;
+
+__device__ __forceinline__ float silu_f32(float g) {
+    const float x = fminf(fmaxf(-g, kSiluXMin), kSiluXMax);
+    const float t = __fadd_rn(__fmul_rn(x, kSiluLog2e), kSiluRint);
+    const float n = __fsub_rn(t, kSiluRint);
+    const float r = __fsub_rn(__fsub_rn(x, __fmul_rn(n, kSiluLn2Hi)), __fmul_rn(n, kSiluLn2Lo));
+    float p = kSiluC6;
+    p = __fadd_rn(__fmul_rn(p, r), kSiluC5);
+    p = __fadd_rn(__fmul_rn(p, r), kSiluC4);
+    p = __fadd_rn(__fmul_rn(p, r), kSiluC3);
+    p = __fadd_rn(__fmul_rn(p, r), kSiluC2);
+    p = __fadd_rn(__fmul_rn(p, r), 1.0f);
+    p = __fadd_rn(__fmul_rn(p, r), 1.0f);
+    const float e = __fmul_rn(p, __uint_as_float((__float_as_uint(t) << 23) + 0x3F800000u));
+    return __fdiv_rn(g, __fadd_rn(1.0f, e));
 }
 
 // ---- swizzled (128x4 tiled) block scales ---------------------------------------------------------------
@@ -157,13 +236,10 @@ struct FormatTraits<kFmtMxfp4> {
     using Scale = uint8_t;      // e8m0: e + 127
 };
 
-template <int kFmt>
-constexpr int kLanesPerBlock = FormatTraits<kFmt>::kBlock / kLaneValues;  // fp8 16, nvfp4 2, mxfp4 4
-
-// Payload byte offset of value `col` of a row.
+// Payload byte offset of value `col` (>= 0) of a row.
 template <int kFmt>
 __device__ __forceinline__ int64_t payload_offset(int64_t col) {
-    return kFmt == kFmtBf16 ? col * 2 : (FormatTraits<kFmt>::kPacked ? col / 2 : col);
+    return kFmt == kFmtBf16 ? col * 2 : (FormatTraits<kFmt>::kPacked ? (col >> 1) : col);
 }
 
 // amax over an aligned group of kLanes lanes (butterfly: every lane of the group ends with the same value).
@@ -175,63 +251,109 @@ __device__ __forceinline__ float group_amax(float a) {
     return a;
 }
 
-template <int kFmt>
-struct Quant8 {
-    typename FormatTraits<kFmt>::Payload payload;  // this lane's 8 values, encoded
-    typename FormatTraits<kFmt>::Scale scale;      // its block's scale (the same in every lane of the block)
-    bool leader;                                   // first lane of its block: the one that stores the scale
+// x / s rounded to nearest even (the contract's IEEE division), given y = RN(1/s), s > 0 normal, for the fp8
+// quantizer: q0 = RN(x * y) is within 1.5 ulp of x / s; one Markstein correction q1 = q0 + (x - s q0) y (FMAs)
+// is faithful (within 1 ulp); with a faithful q and y = RN(1/s) the remainder x - s q1 is exact and the second
+// correction q2 = RN(q1 + (x - s q1) y) is RN(x / s) (Markstein's theorem). Holds while the remainders do not
+// underflow: always when |x / s| >= 2**-11 (s >= 2.2e-7); below that e4m3 rounds both to a zero, whose sign
+// is the sign of x (copied in: a -0 numerator gives +0 through the FMAs). Five FMA-pipe instructions instead of
+// a division's ten (MUFU.RCP, FCHK, branch); scripts/check_exhaustive.py fp8div checks it on 2**31 pairs.
+// x subnormal: mul.ftz / fma.ftz flush it, as the contract's flushed x.
+__device__ __forceinline__ float div_rn_by(float x, float s, float y) {
+    const float q0 = __fmul_rn(x, y);
+    const float q1 = __fmaf_rn(__fmaf_rn(-s, q0, x), y, q0);
+    const float q2 = __fmaf_rn(__fmaf_rn(-s, q1, x), y, q1);
+    return __uint_as_float(__float_as_uint(q2) | (__float_as_uint(x) & kSignBit));
+}
+
+// The encoded payload of kN values (fp8: kN bytes, nvfp4 / mxfp4: kN / 2 bytes), as little-endian words.
+template <int kFmt, int kN>
+struct PayloadWords {
+    static constexpr int kWords = kFmt == kFmtFp8 ? kN / 4 : kN / 8;
+    uint32_t w[kWords];
 };
 
-// Quantize this lane's 8 values. Subnormal values need not be flushed first: they are read only through fabsf,
-// fmaxf, __fdiv_rn and __fmul_rn, which flush them under -ftz=true as the contract's "flush x first" does.
+template <int kFmt, int kN>
+struct QuantN {
+    PayloadWords<kFmt, kN> payload;            // this lane's kN values, encoded
+    typename FormatTraits<kFmt>::Scale scale;  // its block's scale (the same in every lane of the block)
+    bool leader;                               // first lane of its block: the one that stores the scale
+};
+
+// e4m3 bytes of x_i / s (fp8), four per word.
+template <int kN>
+__device__ __forceinline__ void fp8_encode(const float (&v)[kN], float s, float y, uint32_t (&w)[kN / 4]) {
+#pragma unroll
+    for (int k = 0; k < kN / 4; ++k)
+        w[k] = e4m3x2_encode(div_rn_by(v[4 * k], s, y), div_rn_by(v[4 * k + 1], s, y)) |
+               e4m3x2_encode(div_rn_by(v[4 * k + 2], s, y), div_rn_by(v[4 * k + 3], s, y)) << 16;
+}
+
+// e2m1 codes of x_i * m (nvfp4: m = r, mxfp4: m = 2**-e), eight per word.
+template <int kN>
+__device__ __forceinline__ void fp4_encode(const float (&v)[kN], float m, uint32_t (&w)[kN / 8]) {
+#pragma unroll
+    for (int k = 0; k < kN / 8; ++k) {
+        float y[kLaneValues];
+#pragma unroll
+        for (int i = 0; i < kLaneValues; ++i) y[i] = __fmul_rn(v[8 * k + i], m);
+        w[k] = e2m1x8_encode(y);
+    }
+}
+
+// Quantize this lane's kN (8 or 16) consecutive values; a scale block is an aligned group of kBlock / kN lanes.
+// Subnormal values need not be flushed first: they are read only through fabsf, fmaxf, div.rn.ftz / fma.rn.ftz /
+// mul.rn.ftz, which flush them under -ftz=true as the contract's "flush x first" does.
 // Called by ALL 32 lanes of the warp, converged: lanes whose values lie past the row pass zeros (their block is
 // then entirely out of the row, since blocks are aligned lane groups) and discard the result.
-template <int kFmt>
-__device__ __forceinline__ Quant8<kFmt> warp_quantize8(const float (&v)[kLaneValues], float global_scale) {
+template <int kFmt, int kN>
+__device__ __forceinline__ QuantN<kFmt, kN> warp_quantize(const float (&v)[kN], float global_scale) {
     static_assert(kFmt == kFmtFp8 || kFmt == kFmtNvfp4 || kFmt == kFmtMxfp4, "a scaled format");
-    constexpr int kLanes = kLanesPerBlock<kFmt>;
-    Quant8<kFmt> q;
+    constexpr int kLanes = FormatTraits<kFmt>::kBlock / kN;
+    static_assert(kLanes >= 1 && kLanes * kN == FormatTraits<kFmt>::kBlock, "whole blocks per lane group");
+    QuantN<kFmt, kN> q;
     q.leader = (threadIdx.x % kLanes) == 0;
     float a = fabsf(v[0]);  // abs.ftz / max.ftz: subnormals count as 0, as the contract's flushed x
 #pragma unroll
-    for (int i = 1; i < kLaneValues; ++i) a = fmaxf(a, fabsf(v[i]));
+    for (int i = 1; i < kN; ++i) a = fmaxf(a, fabsf(v[i]));
     const float amax = group_amax<kLanes>(a);
 
     if constexpr (kFmt == kFmtFp8) {
-        // s = max(amax, 1e-4) / 448; q_i = cvt_e4m3(x_i / s) (IEEE divisions, never a reciprocal multiply).
+        // s = max(amax, 1e-4) / 448; q_i = cvt_e4m3(x_i / s), the correctly rounded quotient (div_rn_by).
         const float s = __fdiv_rn(fmaxf(amax, kFp8AmaxFloor), kFp8Max);
-        uint32_t w[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) w[i] = e4m3x2_encode(__fdiv_rn(v[2 * i], s), __fdiv_rn(v[2 * i + 1], s));
-        q.payload = make_uint2(w[0] | w[1] << 16, w[2] | w[3] << 16);
+        fp8_encode(v, s, __frcp_rn(s), q.payload.w);  // RN(1/s): s is normal, in [2.2e-7, 7.6e35]
         q.scale = s;
     } else if constexpr (kFmt == kFmtNvfp4) {
         // t = (g * amax) / 6; sf = cvt_e4m3(t); sfv = float(sf); sfv == 0: codes +0; else r = g / sfv,
         // q_i = cvt_e2m1(x_i * r).
         const float t = __fdiv_rn(__fmul_rn(global_scale, amax), kE2m1Max);
         const uint32_t sf = e4m3_encode(t);
-        const float sfv = e4m3_decode(sf);
-        uint32_t codes = 0;
-        if (sfv != 0.0f) {
-            const float r = __fdiv_rn(global_scale, sfv);
+        fp4_encode(v, __fdiv_rn(global_scale, e4m3_to_float(sf)), q.payload.w);
+        if (!(sf & 0x7Fu)) {  // sfv == 0 (sf is +0: t >= 0): the block's codes are +0
 #pragma unroll
-            for (int i = 0; i < kLaneValues; ++i) codes |= e2m1_encode(__fmul_rn(v[i], r)) << (4 * i);
+            for (int k = 0; k < kN / 8; ++k) q.payload.w[k] = 0u;
         }
-        q.payload = codes;
         q.scale = uint8_t(sf);
     } else {
         // E = unbiased exponent of amax (amax = 0 gives -127); e = max(E - 2, -127); scale byte e + 127;
         // q_i = cvt_e2m1(x_i * 2**-e), 2**-e exact and normal (e in [-127, 126]).
         const int big_e = int(__float_as_uint(amax) >> 23 & 0xFFu) - 127;
         const int e = max(big_e - 2, -127);
-        const float m = pow2_from_biased(uint32_t(127 - e));
-        uint32_t codes = 0;
-#pragma unroll
-        for (int i = 0; i < kLaneValues; ++i) codes |= e2m1_encode(__fmul_rn(v[i], m)) << (4 * i);
-        q.payload = codes;
+        fp4_encode(v, pow2_from_biased(uint32_t(127 - e)), q.payload.w);
         q.scale = uint8_t(e + 127);
     }
     return q;
+}
+
+// Store the words of a payload (4, 8 or 16 bytes, aligned to their size) with one instruction.
+template <int kWords>
+__device__ __forceinline__ void store_words(uint8_t* dst, const uint32_t (&w)[kWords]) {
+    if constexpr (kWords == 1)
+        *reinterpret_cast<uint32_t*>(dst) = w[0];
+    else if constexpr (kWords == 2)
+        *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+    else
+        *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
 }
 
 // Decode this lane's 8 values (per-lane, no warp cooperation): fp8 q * s; nvfp4 (q * sfv) / g; mxfp4 q * 2**e
@@ -273,6 +395,19 @@ __device__ __forceinline__ uint4 load16_nc(const void* p) {
     return v;
 }
 
+// The same through L1 (allocating): for the 16-values-per-lane layout, whose two 16-byte loads per lane share a
+// 32-byte sector (the second load of each sector hits L1 instead of going back to L2).
+__device__ __forceinline__ uint4 load16_nc_l1(const void* p) {
+    uint4 v;
+    asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+// Ask L2 to fetch the 128-byte line holding p from memory (a hint: no registers, nothing to wait for). Each lane
+// asks for its own values of the warp's next span, so DRAM has that span's requests in flight while the warp still
+// works on the current one.
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
 __device__ __forceinline__ void unpack_f32x4(const uint4& w, float* v) {
     v[0] = __uint_as_float(w.x);
     v[1] = __uint_as_float(w.y);
@@ -313,11 +448,13 @@ struct Raw8 {
     uint4 w[kWords];
 };
 
-template <class T>
+template <class T, bool kL1 = false>
 __device__ __forceinline__ Raw8<T> load8(const T* p) {
     Raw8<T> r;
 #pragma unroll
-    for (int i = 0; i < Raw8<T>::kWords; ++i) r.w[i] = load16_nc(reinterpret_cast<const uint4*>(p) + i);
+    for (int i = 0; i < Raw8<T>::kWords; ++i)
+        r.w[i] = kL1 ? load16_nc_l1(reinterpret_cast<const uint4*>(p) + i)
+                     : load16_nc(reinterpret_cast<const uint4*>(p) + i);
     return r;
 }
 
@@ -330,17 +467,27 @@ __device__ __forceinline__ void values8(const Raw8<T>& r, float (&v)[kLaneValues
 }
 
 // ---- sources: where a lane's 8 values come from ----------------------------------------------------------
-// A Source has `Raw load(col) const` (issue the loads of values [col, col + 8) of its row) and
-// `void values(const Raw&, float (&)[8]) const` (turn them into the values to quantize); splitting the two lets
-// warp_quantize_span keep several steps of loads in flight before the first use.
+// A Source has `Source at(col) const` (the source shifted to start at value col >= 0), `void prefetch(col) const`
+// (L2 prefetch of the line(s) holding value col: this lane's values of a later span),
+// `template <bool kL1> Raw load(col) const` (issue the loads of values [col, col + 8) of its row; kL1: through
+// L1) and `void values(const Raw&, float (&)[8]) const` (turn them into the values to quantize);
+// splitting the two lets warp_quantize_span keep several steps of loads in flight before the first use.
+// kBf16ByCvt: the values are flushed and a NaN among them may become any bf16 NaN, so the bf16 "format" may use
+// the hardware conversion (cvt.rn.bf16x2.f32) instead of bf16_encode.
 // kFlush: flush subnormal inputs with bit operations. The quantizers do not need it: they read values only through
 // max.ftz, div.rn.ftz and mul.rn.ftz (-ftz=true), which flush them to zero of the same sign exactly as the
 // contract's "flush x first" does (tested with subnormal inputs); the bf16 "format" must not flush at all.
 template <class T, bool kFlush>
 struct RowSource {
     using Raw = Raw8<T>;
+    static constexpr bool kBf16ByCvt = false;
     const T* row;
-    __device__ __forceinline__ Raw load(int col) const { return load8(row + col); }
+    // The source of values [col, ...) of the row (col >= 0): loads relative to it use immediate offsets.
+    __device__ __forceinline__ RowSource at(int col) const { return RowSource{row + unsigned(col)}; }
+    // L2 prefetch of the line holding value col (this lane's values of a later span).
+    __device__ __forceinline__ void prefetch(int col) const { prefetch_l2(row + col); }
+    template <bool kL1 = false>
+    __device__ __forceinline__ Raw load(int col) const { return load8<T, kL1>(row + col); }
     __device__ __forceinline__ void values(const Raw& r, float (&v)[kLaneValues]) const { values8<kFlush>(r, v); }
 };
 
@@ -371,26 +518,20 @@ struct TransposedScales {
     }
 };
 
-// nvfp4 / mxfp4 dispatch / fused_silu layout: 128x4 tiles. The 4 scales of one tile row (columns 4k..4k+3) are
-// gathered with shuffles and stored as one 4-byte word by the lane of column 4k; columns past H/block come from
-// lanes past the row, whose scale is 0, so the padding columns of every written row are zero-filled here.
+// nvfp4 / mxfp4 dispatch / fused_silu layout: 128x4 tiles. Each block's leader lane stores its scale byte (the
+// four bytes of a tile row come from four lanes of the same store instruction); the row part of the offset is
+// computed once. Columns past H/block inside the last tile (padding) get 0 from the lanes past the row.
 // `enabled` = false (a row outside every group: bad row_offsets) writes nothing.
 template <int kFmt>
 struct SwizzledScales {
-    uint8_t* base;
-    int64_t scale_row;  // R
-    int k_tiles;
-    bool enabled;
-    __device__ __forceinline__ void put(int lane, int c, uint8_t s, bool, bool valid) const {
-        constexpr int kLanes = kLanesPerBlock<kFmt>;
-        constexpr int kGroupLanes = kScaleTileCols * kLanes;
-        const int first = lane & ~(kGroupLanes - 1);
-        uint32_t word = 0;
-#pragma unroll
-        for (int k = 0; k < kScaleTileCols; ++k)
-            word |= uint32_t(__shfl_sync(0xffffffffu, uint32_t(s), first + k * kLanes)) << (8 * k);
-        if (enabled && valid && lane == first)
-            *reinterpret_cast<uint32_t*>(base + swizzled_scale_offset(scale_row, c, k_tiles)) = word;
+    uint8_t* row_base;  // base + swizzled_scale_offset(R, 0, k_tiles); nullptr: write nothing
+    int n_cols;         // k_tiles * 4
+    __device__ __forceinline__ SwizzledScales(uint8_t* base, int64_t scale_row, int k_tiles, bool enabled)
+        : row_base(enabled ? base + swizzled_scale_offset(scale_row, 0, k_tiles) : nullptr),
+          n_cols(k_tiles * kScaleTileCols) {}
+    __device__ __forceinline__ void put(int, int c, uint8_t s, bool leader, bool valid) const {
+        if (row_base != nullptr && leader && c < n_cols)
+            row_base[(c / kScaleTileCols) * kScaleTileBytes + c % kScaleTileCols] = valid ? s : uint8_t(0);
     }
 };
 
@@ -398,40 +539,110 @@ struct SwizzledScales {
 // Quantize values [col0, col0 + kSteps * 256) of one row (clipped to `hidden`) into `payload_row`, scales to
 // `sink`. All 32 lanes call it converged; col0 is a multiple of 256. All kSteps loads are issued before the
 // first is used. bf16 "format": 16-byte bf16 stores, no scales.
+//
+// Lane layout: with an odd kSteps (and for bf16), lane l holds values [256 s + 8 l, +8) of step s; with an even
+// kSteps the steps go in pairs and lane l holds values [512 p + 16 l, +16) of pair p, so a scale block spans
+// half as many lanes (fp8 8, nvfp4 1, mxfp4 2): half the block-scale work per value, fewer shuffles, and 8- or
+// 16-byte payload stores. Quantized formats have hidden % 16 == 0, so a lane's 16 values are all in or all out.
+template <int kFmt, int kN, class Sink>
+__device__ __forceinline__ void warp_encode(const float (&v)[kN], uint8_t* dst, int col, bool valid,
+                                            const Sink& sink, float global_scale, int lane) {
+    using Scale = typename FormatTraits<kFmt>::Scale;
+    const QuantN<kFmt, kN> q = warp_quantize<kFmt, kN>(v, global_scale);
+    if (valid) store_words(dst, q.payload.w);
+    sink.put(lane, int(unsigned(col) / unsigned(FormatTraits<kFmt>::kBlock)), valid ? q.scale : Scale(0), q.leader,
+             valid);
+}
+
+template <bool kCvt>
+__device__ __forceinline__ void store_bf16x8(uint8_t* dst, const float (&v)[kLaneValues]) {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        if constexpr (kCvt) {
+            const __nv_bfloat162 b = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);  // F2FP.BF16.F32.PACK_AB
+            w[i] = *reinterpret_cast<const uint32_t*>(&b);
+        } else {
+            w[i] = bf16x2_encode(v[2 * i], v[2 * i + 1]);
+        }
+    }
+    *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// One (paired) step: turn the raw loads into this lane's kN values (zeros when !valid), encode, store.
+template <int kFmt, int kN, class Source, class Sink>
+__device__ __forceinline__ void warp_span_group(const Source& src, const typename Source::Raw* raw, uint8_t* dst,
+                                                int col, bool valid, const Sink& sink, float global_scale,
+                                                int lane) {
+    float v[kN];
+    if (valid) {
+#pragma unroll
+        for (int h = 0; h < kN / kLaneValues; ++h) {
+            float a[kLaneValues];
+            src.values(raw[h], a);
+#pragma unroll
+            for (int i = 0; i < kLaneValues; ++i) v[kLaneValues * h + i] = a[i];
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < kN; ++i) v[i] = 0.0f;
+    }
+    if constexpr (kFmt == kFmtBf16) {
+        if (valid) store_bf16x8<Source::kBf16ByCvt>(dst, v);
+    } else {
+        warp_encode<kFmt, kN>(v, dst, col, valid, sink, global_scale, lane);
+    }
+}
+
+// prefetch_next: this warp quantizes the next span of the row (col0 + kSteps * 256 ...) next: each lane asks L2
+// for its values of it now (one prefetch per 8- or 16-value group, after this span's loads; lanes past the row's
+// end ask for nothing).
 template <int kFmt, int kSteps, class Source, class Sink>
 __device__ __forceinline__ void warp_quantize_span(const Source& src, int col0, int hidden,
                                                    uint8_t* __restrict__ payload_row, const Sink& sink,
-                                                   float global_scale, int lane) {
+                                                   float global_scale, int lane, bool prefetch_next = false) {
+    constexpr bool kPairs = kFmt != kFmtBf16 && kSteps % 2 == 0;
+    constexpr int kN = kPairs ? 2 * kLaneValues : kLaneValues;  // values per lane per (paired) step
+    constexpr int kH = kN / kLaneValues;                        // raw loads per lane per (paired) step
+    constexpr int kGroups = kSteps / kH;
+    constexpr int kGroupSpan = kWarp * kN;
+    constexpr int kGroupBytes = int(kFmt == kFmtBf16 ? 2 * kGroupSpan
+                                                     : (FormatTraits<kFmt>::kPacked ? kGroupSpan / 2 : kGroupSpan));
+    const int col_l = col0 + lane * kN;  // this lane's first value
+    uint8_t* dst = payload_row + payload_offset<kFmt>(col_l);
+    const Source lsrc = src.at(col_l);   // this lane's values: the loads below take immediate offsets
     typename Source::Raw raw[kSteps];
+    if (col0 + kSteps * kWarpSpan <= hidden) {  // warp-uniform: the whole span lies in the row (the usual case)
 #pragma unroll
-    for (int s = 0; s < kSteps; ++s) {
-        const int col = col0 + s * kWarpSpan + lane * kLaneValues;
-        if (col < hidden) raw[s] = src.load(col);
+        for (int g = 0; g < kGroups; ++g)
+#pragma unroll
+            for (int h = 0; h < kH; ++h)
+                raw[kH * g + h] = lsrc.template load<kPairs>(g * kGroupSpan + h * kLaneValues);
+        if (prefetch_next) {
+#pragma unroll
+            for (int g = 0; g < kGroups; ++g) {  // only inside the row: the next span may be its short last one
+                const int next = kSteps * kWarpSpan + g * kGroupSpan;
+                if (col_l + next < hidden) lsrc.prefetch(next);
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < kGroups; ++g)
+            warp_span_group<kFmt, kN>(src, raw + kH * g, dst + g * kGroupBytes, col_l + g * kGroupSpan, true, sink,
+                                      global_scale, lane);
+        return;
     }
 #pragma unroll
-    for (int s = 0; s < kSteps; ++s) {
-        const int base = col0 + s * kWarpSpan;
-        if (base >= hidden) break;  // warp-uniform
-        const int col = base + lane * kLaneValues;
-        const bool valid = col < hidden;
-        float v[kLaneValues];
-        if (valid) {
-            src.values(raw[s], v);
-        } else {
+    for (int g = 0; g < kGroups; ++g)
+        if (col_l + g * kGroupSpan < hidden)
 #pragma unroll
-            for (int i = 0; i < kLaneValues; ++i) v[i] = 0.0f;
-        }
-        uint8_t* dst = payload_row + payload_offset<kFmt>(col);
-        if constexpr (kFmt == kFmtBf16) {
-            if (valid)
-                *reinterpret_cast<uint4*>(dst) = make_uint4(bf16x2_encode(v[0], v[1]), bf16x2_encode(v[2], v[3]),
-                                                            bf16x2_encode(v[4], v[5]), bf16x2_encode(v[6], v[7]));
-        } else {
-            const Quant8<kFmt> q = warp_quantize8<kFmt>(v, global_scale);
-            if (valid) *reinterpret_cast<typename FormatTraits<kFmt>::Payload*>(dst) = q.payload;
-            sink.put(lane, col / FormatTraits<kFmt>::kBlock,
-                     valid ? q.scale : typename FormatTraits<kFmt>::Scale(0), q.leader, valid);
-        }
+            for (int h = 0; h < kH; ++h)
+                raw[kH * g + h] = lsrc.template load<kPairs>(g * kGroupSpan + h * kLaneValues);
+#pragma unroll
+    for (int g = 0; g < kGroups; ++g) {
+        if (col0 + g * kGroupSpan >= hidden) break;  // warp-uniform
+        const int col = col_l + g * kGroupSpan;
+        warp_span_group<kFmt, kN>(src, raw + kH * g, dst + g * kGroupBytes, col, col < hidden, sink, global_scale,
+                                  lane);
     }
 }
 
@@ -443,8 +654,19 @@ __device__ __forceinline__ void warp_quantize_row(const Source& src, int hidden,
         warp_quantize_span<kFmt, kSteps>(src, col0, hidden, payload_row, sink, global_scale, lane);
 }
 
+// The row loops (quantize, fused_silu) prefetch the next span of a row into L2 while the warp works on this one.
+// (CUEP_PREFETCH / CUEP_INFLIGHT_BYTES / CUEP_QUANT_STEPS / CUEP_SILU_MIN_BLOCKS override the tuning knobs for A/B
+// measurements through CUEP_EXTRA_DEFINES; the defaults are the measured best.)
+#ifndef CUEP_PREFETCH
+#define CUEP_PREFETCH 1
+#endif
+constexpr bool kPrefetchNextSpan = CUEP_PREFETCH != 0;
+
 // Steps per span so that each lane keeps about kInFlightBytes of loads in flight.
-constexpr int kInFlightBytes = 64;
+#ifndef CUEP_INFLIGHT_BYTES
+#define CUEP_INFLIGHT_BYTES 64
+#endif
+constexpr int kInFlightBytes = CUEP_INFLIGHT_BYTES;
 template <class Raw>
 constexpr int kStepsFor = int(sizeof(Raw)) >= kInFlightBytes ? 1 : kInFlightBytes / int(sizeof(Raw));
 
@@ -457,6 +679,32 @@ struct WarpGrid {
         : lane(threadIdx.x % kWarp),
           warp((int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp),
           n_warps(int64_t(gridDim.x) * blockDim.x / kWarp) {}
+};
+
+// The (row, span) items (item = row * spans + span) in one contiguous chunk per warp: warp w takes items
+// [w * per, (w + 1) * per), per = ceil(items / n_warps), so it walks along its rows and the per-row work (pointers,
+// scale rows) is done once per row. Usage:
+//   for (ChunkWalk cw(wg, rows, spans); cw.left > 0; cw.next_row()) { per-row setup (cw.row);
+//       for (int k = cw.span; k < cw.end_span(); ++k) item (cw.row, k) }
+struct ChunkWalk {
+    int64_t row;
+    int span;      // first span of `row` in this chunk
+    int spans;
+    int64_t left;  // items left, from (row, span) on
+    __device__ __forceinline__ ChunkWalk(const WarpGrid& wg, int64_t rows, int n_spans) : spans(n_spans) {
+        const int64_t items = rows * n_spans;
+        const int64_t per = (items + wg.n_warps - 1) / wg.n_warps;
+        const int64_t first = wg.warp * per;
+        left = first < items ? min(per, items - first) : 0;
+        row = left > 0 ? first / n_spans : 0;
+        span = int(first - row * n_spans);
+    }
+    __device__ __forceinline__ int end_span() const { return int(min(int64_t(spans), span + left)); }
+    __device__ __forceinline__ void next_row() {
+        left -= end_span() - span;
+        span = 0;
+        ++row;
+    }
 };
 
 // ---- expert groups of the swizzled layout (shared memory) -------------------------------------------------

@@ -16,25 +16,31 @@ __device__ __forceinline__ void quantize_rows(const T* __restrict__ x, uint8_t* 
                                               float global_scale) {
     using Src = RowSource<T, false>;  // see RowSource: the quantizers' arithmetic flushes, bf16 must not
     using Scale = typename FormatTraits<kFmt>::Scale;
-    constexpr int kSteps = kStepsFor<typename Src::Raw>;
+#ifndef CUEP_QUANT_STEPS
+#define CUEP_QUANT_STEPS 2
+#endif
+    constexpr int kSteps = CUEP_QUANT_STEPS;  // 2: 16 values per lane (paired steps); the next span prefetched into L2
     constexpr int kSpan = kSteps * kWarpSpan;
     const WarpGrid wg;
     const int spans = (hidden + kSpan - 1) / kSpan;
     const int64_t payload_bytes = payload_offset<kFmt>(hidden);
     int64_t scale_bytes = 0;
     if constexpr (kFmt != kFmtBf16) scale_bytes = int64_t(hidden / FormatTraits<kFmt>::kBlock) * sizeof(Scale);
-    const int64_t items = n_rows * spans;
-    for (int64_t it = wg.warp; it < items; it += wg.n_warps) {
-        const int64_t row = it / spans;
-        const int col0 = int(it - row * spans) * kSpan;
-        const Src src{x + row * hidden};
-        if constexpr (kFmt == kFmtBf16) {
-            warp_quantize_span<kFmt, kSteps>(src, col0, hidden, payload + row * payload_bytes, NoScales{},
-                                             global_scale, wg.lane);
-        } else {
-            const RowScales<Scale> sink{reinterpret_cast<Scale*>(scales + row * scale_bytes)};
-            warp_quantize_span<kFmt, kSteps>(src, col0, hidden, payload + row * payload_bytes, sink, global_scale,
-                                             wg.lane);
+    if (spans == 0) return;
+    for (ChunkWalk cw(wg, n_rows, spans); cw.left > 0; cw.next_row()) {
+        const Src src{x + cw.row * hidden};
+        uint8_t* prow = payload + cw.row * payload_bytes;
+        const int end = cw.end_span();
+        for (int k = cw.span; k < end; ++k) {
+            const bool prefetch = kPrefetchNextSpan && k + 1 < end;
+            if constexpr (kFmt == kFmtBf16) {
+                warp_quantize_span<kFmt, kSteps>(src, k * kSpan, hidden, prow, NoScales{}, global_scale, wg.lane,
+                                                 prefetch);
+            } else {
+                const RowScales<Scale> sink{reinterpret_cast<Scale*>(scales + cw.row * scale_bytes)};
+                warp_quantize_span<kFmt, kSteps>(src, k * kSpan, hidden, prow, sink, global_scale, wg.lane,
+                                                 prefetch);
+            }
         }
     }
 }
@@ -130,31 +136,35 @@ using cuep::kFmtMxfp4;
 using cuep::kFmtNvfp4;
 using cuep::kOpsThreads;
 
+// Four resident blocks (32 warps) per SM: at most 64 registers per thread.
+constexpr int kQuantizeMinBlocks = 4;
+
 // ---- quantize: one kernel per (format, input dtype) -------------------------------------------------------
+#define CUEP_QUANTIZE_BOUNDS __launch_bounds__(kOpsThreads, kQuantizeMinBlocks)
 #define CUEP_QUANTIZE_ARGS(T)                                                                                    \
     const T *__restrict__ x, uint8_t *__restrict__ payload, uint8_t *__restrict__ scales, long long n_rows,    \
         int hidden, float global_scale
 #define CUEP_QUANTIZE_CALL(FMT, T) cuep::quantize_rows<FMT, T>(x, payload, scales, n_rows, hidden, global_scale)
 
-extern "C" __global__ void __launch_bounds__(kOpsThreads) quantize_bf16_f32(CUEP_QUANTIZE_ARGS(float)) {
+extern "C" __global__ void CUEP_QUANTIZE_BOUNDS quantize_bf16_f32(CUEP_QUANTIZE_ARGS(float)) {
     CUEP_QUANTIZE_CALL(kFmtBf16, float);
 }
-extern "C" __global__ void __launch_bounds__(kOpsThreads) quantize_fp8_bf16(CUEP_QUANTIZE_ARGS(bf16_t)) {
+extern "C" __global__ void CUEP_QUANTIZE_BOUNDS quantize_fp8_bf16(CUEP_QUANTIZE_ARGS(bf16_t)) {
     CUEP_QUANTIZE_CALL(kFmtFp8, bf16_t);
 }
-extern "C" __global__ void __launch_bounds__(kOpsThreads) quantize_fp8_f32(CUEP_QUANTIZE_ARGS(float)) {
+extern "C" __global__ void CUEP_QUANTIZE_BOUNDS quantize_fp8_f32(CUEP_QUANTIZE_ARGS(float)) {
     CUEP_QUANTIZE_CALL(kFmtFp8, float);
 }
-extern "C" __global__ void __launch_bounds__(kOpsThreads) quantize_nvfp4_bf16(CUEP_QUANTIZE_ARGS(bf16_t)) {
+extern "C" __global__ void CUEP_QUANTIZE_BOUNDS quantize_nvfp4_bf16(CUEP_QUANTIZE_ARGS(bf16_t)) {
     CUEP_QUANTIZE_CALL(kFmtNvfp4, bf16_t);
 }
-extern "C" __global__ void __launch_bounds__(kOpsThreads) quantize_nvfp4_f32(CUEP_QUANTIZE_ARGS(float)) {
+extern "C" __global__ void CUEP_QUANTIZE_BOUNDS quantize_nvfp4_f32(CUEP_QUANTIZE_ARGS(float)) {
     CUEP_QUANTIZE_CALL(kFmtNvfp4, float);
 }
-extern "C" __global__ void __launch_bounds__(kOpsThreads) quantize_mxfp4_bf16(CUEP_QUANTIZE_ARGS(bf16_t)) {
+extern "C" __global__ void CUEP_QUANTIZE_BOUNDS quantize_mxfp4_bf16(CUEP_QUANTIZE_ARGS(bf16_t)) {
     CUEP_QUANTIZE_CALL(kFmtMxfp4, bf16_t);
 }
-extern "C" __global__ void __launch_bounds__(kOpsThreads) quantize_mxfp4_f32(CUEP_QUANTIZE_ARGS(float)) {
+extern "C" __global__ void CUEP_QUANTIZE_BOUNDS quantize_mxfp4_f32(CUEP_QUANTIZE_ARGS(float)) {
     CUEP_QUANTIZE_CALL(kFmtMxfp4, float);
 }
 

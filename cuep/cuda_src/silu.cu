@@ -1,7 +1,7 @@
 // Fused SwiGLU (cuep.ops.fused_silu): y = silu(gate) * up of the rows below row_offsets[G], written as bf16 or
-// quantized for the down-projection GEMM. Bit-exact to cuep.reference.fused_silu (docs/formats.md):
-//   sv = float32(g / (1 + exp(-g))) with g = double(gate), double arithmetic and exp(), FTZ-flushed;
-//   y = sv * up, a float32 multiply (FTZ); then bf16(y) or the quantizer of formats.cuh with I = H.
+// quantized for the down-projection GEMM. Bit-exact to cuep.reference.fused_silu (docs/formats.md): silu is the
+// float32 algorithm of formats.cuh (silu_f32: range reduction, a degree-6 polynomial, 2**n from bits, one IEEE
+// division); y = sv * up, a float32 multiply (FTZ); then bf16(y) or the quantizer of formats.cuh with I = H.
 //
 // h [capacity, 2I] (bf16 or float32): gate half then up half per row, or interleaved gate/up element by element.
 // The row count is read ON THE DEVICE from row_offsets[G] (no host sync): rows at or past it are neither read nor
@@ -15,36 +15,16 @@
 
 namespace cuep {
 
-// Three resident blocks (24 warps) per SM: the double-precision exp() of 8 values per lane needs up to 80
-// registers; without a bound ptxas picked 64 and spilled in the hot loop, and 4 blocks would force that again.
-constexpr int kSiluMinBlocks = 3;
+// Four resident blocks (32 warps) per SM: at most 64 registers per thread.
+#ifndef CUEP_SILU_MIN_BLOCKS
+#define CUEP_SILU_MIN_BLOCKS 4
+#endif
+constexpr int kSiluMinBlocks = CUEP_SILU_MIN_BLOCKS;
 
-// float32 -> double, exact, from the bits: x must be flushed (zero, normal, Inf or NaN). Returns x and -x. The F2F
-// conversion it replaces runs at a quarter of the FP64 rate, and FP64 throughput is what bounds this kernel.
-__device__ __forceinline__ void widen(float x, double& pos, double& neg) {
-    const uint32_t b = __float_as_uint(x);
-    const uint32_t sign = b & kSignBit, mag = b & ~kSignBit;
-    uint32_t hi;
-    if (mag == 0)
-        hi = 0;
-    else if (mag >= kExpMask)
-        hi = 0x7FF00000u | (mag & 0x007FFFFFu) >> 3;  // Inf / NaN (payload kept)
-    else
-        hi = (mag >> 3) + 0x38000000u;  // exponent bias 127 -> 1023, top 20 mantissa bits
-    const int lo = int(b << 29);        // the low 3 mantissa bits
-    pos = __hiloint2double(int(hi | sign), lo);
-    neg = __hiloint2double(int(hi | (sign ^ kSignBit)), lo);
-}
-
-// silu(gate) * up for one value, as the contract spells it: gate and up flushed, then double arithmetic and exp()
-// in double, __double2float_rn, flush, and a float32 multiply. __dadd_rn / __ddiv_rn / __fmul_rn are never merged
-// into an FMA, so no contraction with the last multiply inside exp() can change a bit.
-__device__ __forceinline__ float swiglu(float gate, float up) {
-    double g, minus_g;
-    widen(gate, g, minus_g);
-    const float sv = ftz(__double2float_rn(__ddiv_rn(g, __dadd_rn(1.0, exp(minus_g)))));
-    return ftz(__fmul_rn(sv, up));
-}
+// silu(gate) * up for one value. gate and up are not flushed first: every operation that reads them (max.ftz,
+// div.rn.ftz, mul.rn.ftz) flushes a subnormal operand to zero of the same sign, which is the contract's
+// "flushed first".
+__device__ __forceinline__ float swiglu(float gate, float up) { return __fmul_rn(silu_f32(gate), up); }
 
 // Source of y values for the row quantizer: issues the gate and up loads, then computes y (inputs flushed first).
 template <class T, bool kInterleaved>
@@ -52,18 +32,35 @@ struct SwigluSource {
     struct Raw {
         Raw8<T> a, b;  // halves: gate, up; interleaved: values [2col, 2col + 8), [2col + 8, 2col + 16)
     };
-    const T* row;
-    int inter;  // I
+    static constexpr bool kBf16ByCvt = true;  // y is flushed; a NaN y may become any bf16 NaN (docs/formats.md)
+    const T* gate;  // halves: the row's gate half; interleaved: the row
+    const T* up;    // halves: the row's up half (gate + I); interleaved: unused
+    __device__ __forceinline__ SwigluSource at(int col) const {
+        const unsigned c = unsigned(col);
+        if constexpr (kInterleaved)
+            return SwigluSource{gate + 2 * c, up};
+        else
+            return SwigluSource{gate + c, up + c};
+    }
+    __device__ __forceinline__ void prefetch(int col) const {
+        if constexpr (kInterleaved) {
+            prefetch_l2(gate + 2 * col);
+        } else {
+            prefetch_l2(gate + col);
+            prefetch_l2(up + col);
+        }
+    }
+    template <bool kL1 = false>
     __device__ __forceinline__ Raw load(int col) const {
         if constexpr (kInterleaved)
-            return Raw{load8(row + 2 * col), load8(row + 2 * col + kLaneValues)};
+            return Raw{load8<T, kL1>(gate + 2 * col), load8<T, kL1>(gate + 2 * col + kLaneValues)};
         else
-            return Raw{load8(row + col), load8(row + inter + col)};
+            return Raw{load8<T, kL1>(gate + col), load8<T, kL1>(up + col)};
     }
     __device__ __forceinline__ void values(const Raw& r, float (&y)[kLaneValues]) const {
         float a[kLaneValues], b[kLaneValues];
-        values8<true>(r.a, a);
-        values8<true>(r.b, b);
+        values8<false>(r.a, a);  // flushed by the arithmetic (swiglu)
+        values8<false>(r.b, b);
 #pragma unroll
         for (int i = 0; i < kLaneValues; ++i) {
             if constexpr (kInterleaved) {
@@ -105,24 +102,34 @@ __device__ __forceinline__ void fused_silu_rows(const T* __restrict__ h, const i
         rows = min(int64_t(max(row_offsets[n_groups], 0)), capacity);
     }
 
-    const int64_t items = rows * spans;
-    for (int64_t it = wg.warp; it < items; it += wg.n_warps) {
-        const int64_t row = it / spans;
-        const int col0 = int(it - row * spans) * kSpan;
-        const Src src{h + row * 2 * int64_t(inter), inter};
-        uint8_t* prow = out + row * out_row_bytes;
-        if constexpr (kFmt == kFmtBf16) {
-            warp_quantize_span<kFmt, kSteps>(src, col0, inter, prow, NoScales{}, global_scale, wg.lane);
-        } else if constexpr (kFmt == kFmtFp8) {
-            const TransposedScales sink{reinterpret_cast<float*>(scales), capacity, row};
-            warp_quantize_span<kFmt, kSteps>(src, col0, inter, prow, sink, global_scale, wg.lane);
-        } else {
-            const int g = sg.find(int(row));
-            const int local = int(row) - sg.row_offsets[g];
-            const int64_t scale_row = int64_t(sg.tile_start[g]) * kScaleTileRows + local;
-            const bool ok = local >= 0 && local < sg.rows_of(g) && scale_row / kScaleTileRows < max_tiles;
-            const SwizzledScales<kFmt> sink{scales, scale_row, k_tiles, ok};
-            warp_quantize_span<kFmt, kSteps>(src, col0, inter, prow, sink, global_scale, wg.lane);
+    int g = -1;  // the group of `row` (swizzled scales): rows only grow along a warp's chunk, so scan forward
+    if (spans > 0) {
+        for (ChunkWalk cw(wg, rows, spans); cw.left > 0; cw.next_row()) {
+            const int64_t row = cw.row;
+            const T* hrow = h + row * 2 * int64_t(inter);
+            const Src src{hrow, hrow + inter};
+            uint8_t* prow = out + row * out_row_bytes;
+            const int end = cw.end_span();
+            if constexpr (kFmt == kFmtBf16) {
+                for (int k = cw.span; k < end; ++k)
+                    warp_quantize_span<kFmt, kSteps>(src, k * kSpan, inter, prow, NoScales{}, global_scale, wg.lane,
+                                                     kPrefetchNextSpan && k + 1 < end);
+            } else if constexpr (kFmt == kFmtFp8) {
+                const TransposedScales sink{reinterpret_cast<float*>(scales), capacity, row};
+                for (int k = cw.span; k < end; ++k)
+                    warp_quantize_span<kFmt, kSteps>(src, k * kSpan, inter, prow, sink, global_scale, wg.lane,
+                                                     kPrefetchNextSpan && k + 1 < end);
+            } else {
+                if (g < 0) g = sg.find(int(row));
+                while (g + 1 < n_groups && sg.row_offsets[g + 1] <= row) ++g;  // = sg.find(row), valid offsets
+                const int local = int(row) - sg.row_offsets[g];
+                const int64_t scale_row = int64_t(sg.tile_start[g]) * kScaleTileRows + local;
+                const bool ok = local >= 0 && local < sg.rows_of(g) && scale_row / kScaleTileRows < max_tiles;
+                const SwizzledScales<kFmt> sink(scales, scale_row, k_tiles, ok);
+                for (int k = cw.span; k < end; ++k)
+                    warp_quantize_span<kFmt, kSteps>(src, k * kSpan, inter, prow, sink, global_scale, wg.lane,
+                                                     kPrefetchNextSpan && k + 1 < end);
+            }
         }
     }
     if constexpr (kSwizzled) zero_swizzle_padding_rows(sg, scales, k_tiles, max_tiles);

@@ -411,13 +411,62 @@ def _resolve_num_tokens(num_tokens, weights, dispatched: list[Dispatched], cfg: 
 
 
 # ---- fused SwiGLU --------------------------------------------------------------------------------------------
+# silu's float32 constants (docs/formats.md, "Fused SwiGLU"; cuep/cuda_src/formats.cuh silu_f32): exact float32
+# values, spelled as their bits.
+def _f32_bits(b: int) -> np.float32:
+    return np.array([b], np.uint32).view(np.float32)[0]
+
+
+SILU_X_MIN = np.float32(-87.0)
+SILU_X_MAX = np.float32(89.0)
+SILU_LOG2E = _f32_bits(0x3FB8AA3B)     # 1.44269504f
+SILU_LN2_HI = _f32_bits(0x3F318000)    # 0.693359375
+SILU_LN2_LO = _f32_bits(0xB95E8083)    # -2.12194440e-4f
+SILU_POLY = tuple(_f32_bits(b) for b in (0x3AB50D47, 0x3C091FDB, 0x3D2AAC8B, 0x3E2AAA45, 0x3EFFFFFE)) + (
+    np.float32(1.0), np.float32(1.0))  # c6, c5, c4, c3, c2, c1, c0 (Horner order)
+
+
+def silu_f32(g: np.ndarray) -> np.ndarray:
+    """silu(g) = g / (1 + e**-g) in float32, bit for bit as the CUDA kernel computes it (docs/formats.md).
+
+    Every product, sum and the quotient is one IEEE float32 operation (NumPy float32, round to nearest even, never
+    fused), flushed (FTZ) after each as ``-ftz=true`` does; g is flushed first::
+
+        x = min(max(-g, -87), 89)              (fmax / fmin: a NaN g gives x = -87)
+        n = rint(x * log2e)                    (the product rounded to float32 first; ties to even)
+        r = (x - n * ln2_hi) - n * ln2_lo
+        p = c6; p = p * r + c5; ... ; p = p * r + 1; p = p * r + 1     (each * and + rounded)
+        e = p * 2**n                           (2**n from the bits (n + 127) << 23; n = 128 gives +Inf)
+        sv = g / (1 + e)
+
+    Args:
+        g: float32 array, any shape.
+    Returns:
+        float32 array of the same shape.
+    """
+    if np.asarray(g).dtype != _F32:
+        raise ValueError(f"g must be float32, got {np.asarray(g).dtype}")
+    g = ftz(np.ascontiguousarray(g))
+    with np.errstate(all="ignore"):  # overflow to Inf (x >= 88.38), Inf / Inf and NaN inputs
+        x = np.fmin(np.fmax(-g, SILU_X_MIN), SILU_X_MAX)
+        n = np.rint(ftz(x * SILU_LOG2E))                                  # integer in [-126, 128]
+        r = ftz(ftz(x - ftz(n * SILU_LN2_HI)) - ftz(n * SILU_LN2_LO))
+        p = np.full_like(r, SILU_POLY[0])
+        for c in SILU_POLY[1:]:
+            p = ftz(ftz(p * r) + c)
+        scale = ((n.astype(np.int32) + 127).astype(np.uint32) << np.uint32(23)).view(_F32)
+        e = ftz(p * scale)
+        return ftz(g / ftz(np.float32(1.0) + e))
+
+
 def fused_silu(h: np.ndarray, row_offsets: np.ndarray, fmt="bf16", interleaved: bool = False,
                global_scale: float = 1.0):
     """``silu(gate) * up`` of the rows below ``row_offsets[-1]``, as bf16 or quantized for the down GEMM.
 
     Arithmetic (``docs/formats.md``, "Fused SwiGLU"): gate and up are read as float32 and flushed (FTZ);
-    ``sv = float32(g / (1 + exp(-g)))`` with ``g = float64(gate)``, flushed; ``y = sv * up`` as a float32
-    multiply, flushed; then ``bf16(y)`` (round to nearest even) or ``quantize(y, fmt, global_scale)``.
+    ``sv = silu_f32(gate)`` (float32 range reduction, polynomial and one IEEE division: :func:`silu_f32`);
+    ``y = sv * up`` as a float32 multiply, flushed; then ``bf16(y)`` (round to nearest even) or
+    ``quantize(y, fmt, global_scale)``.
 
     Args:
         h: ``[rows_cap, 2I]`` float32 or ``ml_dtypes.bfloat16``: gate half then up half per row, or (interleaved)
@@ -458,11 +507,10 @@ def fused_silu(h: np.ndarray, row_offsets: np.ndarray, fmt="bf16", interleaved: 
 
     x = h[:rows].astype(np.float32)
     gate, up = (x[:, 0::2], x[:, 1::2]) if interleaved else (x[:, :inter], x[:, inter:])
-    g = ftz(np.ascontiguousarray(gate)).astype(np.float64)
+    sv = silu_f32(np.ascontiguousarray(gate))
     up = ftz(np.ascontiguousarray(up))
-    with np.errstate(over="ignore"):  # exp(-g) = inf for very negative g: g / inf = -0, as on the GPU
-        sv = ftz((g / (1.0 + np.exp(-g))).astype(np.float32))
-    y = ftz(sv * up)
+    with np.errstate(all="ignore"):
+        y = ftz(sv * up)
 
     if f.name == "bf16":
         return y.astype(_BF16)

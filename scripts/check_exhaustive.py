@@ -1,0 +1,198 @@
+"""Exhaustive CPU checks of the bit tricks the CUDA quantizers use instead of the contract's plain operations.
+
+    python scripts/check_exhaustive.py e2m1             # all 2**32 float32 bit patterns (about 2 minutes)
+    python scripts/check_exhaustive.py fp8div [--per-s 256] [--s-step 1]   # 2**23 / s_step divisors x per_s pairs
+
+* ``e2m1``: ``e2m1_device`` below is a NumPy emulation, operation for operation, of ``e2m1_biased`` /
+  ``e2m1_encode`` in cuep/cuda_src/formats.cuh (fminf/fmaxf of FTZ operands, Veltkamp's split to 2 significant
+  bits, a saturating add, one integer add). It must equal :func:`cuep.reference.quant.e2m1_encode` on every
+  float32 bit pattern: NaN, Inf, subnormals and -0 included.
+* ``fp8div``: ``div_rn_by`` below emulates, exactly, the kernel's ``div_rn_by(x, s, y)`` (y = RN(1/s); q0 = RN(x y);
+  two FMA corrections; the sign of x copied onto the result), used for the fp8 quantizer's ``x / s``. Its result
+  depends only on the significands of x and s (nothing underflows or overflows for |x / s| >= 2**-11 and the s of
+  the fp8 quantizer, s in [2.2e-7, 7.6e35]), so x and s are taken in [1, 2): for every divisor significand (all
+  2**23 with --s-step 1) it checks --per-s dividends: random ones, ones whose quotient lies within a few ulps of a
+  rounding midpoint (the hard cases of division), and exact quotients. It must equal the IEEE quotient RN(x / s).
+  The argument that two corrections suffice (the first gives a faithful quotient; then Markstein's theorem) is in
+  formats.cuh; this checks the algebra and the emulation.
+
+tests/test_reference_quant.py imports this file and runs both on samples (1e6 values and the special points).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from cuep.reference.quant import e2m1_encode, ftz  # noqa: E402
+
+F32 = np.float32
+F64 = np.float64
+U32 = np.uint32
+
+
+# ---- e2m1 ------------------------------------------------------------------------------------------------------
+E2M1_BIAS = U32(254 + 0x4A800000)  # kE2m1Bias of formats.cuh
+
+
+def e2m1_biased(v: np.ndarray) -> np.ndarray:
+    """formats.cuh ``e2m1_biased``: code + E2M1_BIAS (uint32, modulo 2**32), magnitude only."""
+    with np.errstate(all="ignore"):
+        a = np.fmin(ftz(np.abs(v)), F32(6.0))         # FMNMX.FTZ |v|, 6: NaN -> 6, subnormal -> 0
+        w = np.fmax(a, F32(1.0))
+        wc = w * F32(4194305.0)                        # w * (2**22 + 1)
+        hi = wc - (wc - w)                             # w rounded to 2 significant bits, ties to even
+        small = np.minimum(a, F32(1.0)) + F32(2.0**22)  # FADD.SAT (a >= 0, not NaN): min(a, 1), then + 2**22
+    return (hi.view(U32) >> U32(22)) + small.view(U32)
+
+
+def e2m1_device(v: np.ndarray) -> np.ndarray:
+    """formats.cuh ``e2m1_encode``: float32 -> e2m1 codes (uint8)."""
+    v = np.ascontiguousarray(v, dtype=F32)
+    return ((e2m1_biased(v) - E2M1_BIAS) | ((v.view(U32) >> U32(28)) & U32(8))).astype(np.uint8)
+
+
+def e2m1x8_device(v: np.ndarray) -> np.ndarray:
+    """formats.cuh ``e2m1x8_encode``: float32 [..., 8] -> one uint32 word per 8 values (value i in nibble i)."""
+    v = np.ascontiguousarray(v, dtype=F32)
+    mag = np.full(v.shape[:-1], (-int(E2M1_BIAS) * 0x11111111) % (1 << 32), U32)
+    sign = v[..., 7].view(U32) >> U32(28)
+    with np.errstate(over="ignore"):
+        for i in range(8):
+            mag = mag + (e2m1_biased(v[..., i]) << U32(4 * i))
+    for i in range(6, -1, -1):  # __funnelshift_l(bits(v_i), sign, 4) = (sign << 4) | (bits(v_i) >> 28)
+        sign = (sign << U32(4)) | (v[..., i].view(U32) >> U32(28))
+    return mag | (sign & U32(0x88888888))
+
+
+def check_e2m1(values: np.ndarray) -> int:
+    """Mismatches between e2m1_device and the reference on `values` (float32); prints the first few."""
+    got, want = e2m1_device(values), e2m1_encode(values)
+    bad = np.flatnonzero(got != want)
+    for i in bad[:5]:
+        print(f"  e2m1 mismatch: bits {values.view(U32)[i]:#010x} ({values[i]!r}): device {got[i]}, "
+              f"reference {want[i]}")
+    return int(bad.size)
+
+
+def run_e2m1(chunk_log2: int = 24) -> int:
+    step = 1 << chunk_log2
+    bad = 0
+    t0 = time.time()
+    for start in range(0, 1 << 32, step):
+        bits = np.arange(start, start + step, dtype=np.uint64).astype(U32)
+        bad += check_e2m1(bits.view(F32))
+    print(f"e2m1: {bad} mismatches over all 2**32 float32 bit patterns ({time.time() - t0:.0f} s)")
+    return bad
+
+
+# ---- fp8 division ----------------------------------------------------------------------------------------------
+def _rn32_sum(c: np.ndarray, p: np.ndarray) -> np.ndarray:
+    """RN32(c + p) for float64 arrays holding exact values (c a float32 value, p any float64): the sum is split
+    exactly into hi + lo (TwoSum), hi rounded to float32, except that a hi exactly halfway between two float32
+    values goes the way lo points (the only case where rounding twice could differ)."""
+    hi = c + p
+    bb = hi - c
+    lo = (c - (hi - bb)) + (p - bb)
+    r = hi.astype(F32)
+    mid = (hi.view(np.uint64) & np.uint64((1 << 29) - 1)) == np.uint64(1 << 28)
+    fix = mid & (lo != 0)
+    if fix.any():
+        h, l = hi[fix], lo[fix]
+        half = np.spacing(np.abs(h).astype(F32)).astype(F64) / 2
+        a, b = (h - half).astype(F32), (h + half).astype(F32)   # the two float32 neighbours (exact)
+        r[fix] = np.where(l > 0, np.maximum(a, b), np.minimum(a, b))
+    return r
+
+
+def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """RN32(a * b + c) for float32 arrays, one rounding (fma.rn.f32; the product is exact in float64)."""
+    return _rn32_sum(c.astype(F64), a.astype(F64) * b.astype(F64))
+
+
+def div_rn_by(x: np.ndarray, s: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """formats.cuh ``div_rn_by``: x / s from y = RN(1/s), two Markstein corrections, sign of x copied (no FTZ
+    here: callers keep every intermediate normal)."""
+    q0 = (x.astype(F64) * y.astype(F64)).astype(F32)
+    q1 = fma32(fma32(-s, q0, x), y, q0)
+    q2 = fma32(fma32(-s, q1, x), y, q1)
+    return (q2.view(U32) | (x.view(U32) & U32(0x80000000))).view(F32)
+
+
+def rn_div(x: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """RN32(x / s): the float64 quotient of two float32 values is never within 2**-53 (relative) of a float32
+    rounding midpoint unless it is one, so rounding it to float32 rounds the exact quotient."""
+    return (x.astype(F64) / s.astype(F64)).astype(F32)
+
+
+def rn_recip(s: np.ndarray) -> np.ndarray:
+    return (1.0 / s.astype(F64)).astype(F32)
+
+
+def fp8div_dividends(rng: np.random.Generator, s: np.ndarray, per_s: int) -> np.ndarray:
+    """[len(s), per_s] dividends in [1, 2) for the divisors s: a third random, a third with x / s within a few
+    ulps of a float32 rounding midpoint, a third with x / s (nearly) a float32 value with few significant bits."""
+    n = s.size
+    k1, k2 = per_s // 3, per_s // 3
+    k3 = per_s - k1 - k2
+    x1 = rng.integers(0x3F800000, 0x40000000, (n, k1), dtype=np.uint32).view(F32)
+    q = rng.integers(0x3F000000, 0x40000000, (n, k2), dtype=np.uint32).view(F32)       # quotients in [0.5, 2)
+    m = q.astype(F64) + np.spacing(q).astype(F64) / 2                                  # midpoints
+    x2 = (s[:, None].astype(F64) * m).astype(F32)
+    x2 = (x2.view(np.int32) + rng.integers(-3, 4, (n, k2), dtype=np.int32)).view(F32)
+    qs = (rng.integers(1, 1 << 6, (n, k3)).astype(F64) / 32.0).astype(F32)            # few-bit quotients
+    x3 = (s[:, None].astype(F64) * qs).astype(F32)
+    x3 = (x3.view(np.int32) + rng.integers(-1, 2, (n, k3), dtype=np.int32)).view(F32)
+    x = np.concatenate([x1, x2, x3], axis=1)
+    # fold into [1, 2) by powers of two (exact): only the significand matters
+    e = (x.view(np.uint32) >> np.uint32(23)).astype(np.int64) - 127
+    return (x.view(np.uint32) - (e.astype(np.uint32) << np.uint32(23))).view(F32)
+
+
+def check_fp8div(x: np.ndarray, s: np.ndarray) -> int:
+    """Mismatches of div_rn_by against RN(x / s) for broadcastable float32 x, s (s > 0 normal)."""
+    x, s = np.broadcast_arrays(np.asarray(x, F32), np.asarray(s, F32))
+    x, s = np.ascontiguousarray(x), np.ascontiguousarray(s)
+    got, want = div_rn_by(x, s, rn_recip(s)), rn_div(x, s)
+    bad = np.flatnonzero(got.view(U32) != want.view(U32))
+    for i in bad[:5]:
+        print(f"  fp8div mismatch: x {x.flat[i]!r} s {s.flat[i]!r}: {got.flat[i]!r} != {want.flat[i]!r}")
+    return int(bad.size)
+
+
+def run_fp8div(per_s: int, s_step: int, seed: int = 0, batch: int = 1 << 14) -> int:
+    rng = np.random.default_rng(seed)
+    s_all = np.arange(0x3F800000, 0x40000000, s_step, dtype=np.uint32).view(F32)
+    bad = total = 0
+    t0 = time.time()
+    for i in range(0, s_all.size, batch):
+        s = s_all[i:i + batch]
+        x = fp8div_dividends(rng, s, per_s)
+        bad += check_fp8div(x, s[:, None])
+        total += x.size
+        if (i // batch) % 64 == 0:
+            print(f"  {total:.3g} pairs, {bad} mismatches, {time.time() - t0:.0f} s", flush=True)
+    print(f"fp8div: {bad} mismatches over {total} (x, s) pairs ({s_all.size} divisors; {time.time() - t0:.0f} s)")
+    return bad
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="what", required=True)
+    sub.add_parser("e2m1", help="all 2**32 float32 bit patterns")
+    d = sub.add_parser("fp8div", help="the fp8 quantizer's division")
+    d.add_argument("--per-s", type=int, default=256, help="dividends per divisor (default 256)")
+    d.add_argument("--s-step", type=int, default=1, help="take every n-th divisor significand (default 1: all)")
+    d.add_argument("--seed", type=int, default=0)
+    a = p.parse_args()
+    bad = run_e2m1() if a.what == "e2m1" else run_fp8div(a.per_s, a.s_step, a.seed)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
