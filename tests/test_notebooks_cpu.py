@@ -1,4 +1,4 @@
-"""The notebooks without a GPU: valid nbformat-4 JSON without outputs, valid Python, public API only; the formats
+"""The notebooks without a GPU: valid nbformat-4 JSON whose stored outputs hold no error, valid Python, public API only; the formats
 notebook (which falls back to cuep.reference on the CPU) runs end to end through scripts/run_notebooks.py.
 """
 from __future__ import annotations
@@ -129,7 +129,7 @@ def test_the_three_notebooks_exist():
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_is_nbformat4_without_outputs(path):
+def test_notebook_is_nbformat4_and_ran_cleanly(path):
     nb = json.loads(path.read_text())
     assert nb["nbformat"] == 4 and isinstance(nb["nbformat_minor"], int)
     assert nb["metadata"]["kernelspec"]["language"] == "python"
@@ -139,8 +139,9 @@ def test_notebook_is_nbformat4_without_outputs(path):
     for c in cells:
         assert c["cell_type"] in ("markdown", "code")
         assert isinstance(c["source"], (str, list)) and isinstance(c["metadata"], dict)
-        if c["cell_type"] == "code":
-            assert c["outputs"] == [] and c["execution_count"] is None, "notebooks are stored without outputs"
+        if c["cell_type"] == "code":  # committed as executed on the GPU machine: outputs allowed, errors never
+            assert isinstance(c["outputs"], list)
+            assert not [o for o in c["outputs"] if o.get("output_type") == "error"], "a committed cell failed"
     try:
         import nbformat
     except ImportError:
