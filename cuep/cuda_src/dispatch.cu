@@ -4,12 +4,15 @@
 //
 // One kernel, three phases (bits of `phases`), so the fused call, the async/wait halves and ranks simulated on
 // one GPU share a single code path:
-//   notify  count this round's tokens per expert and publish the histogram to every destination (the histograms
-//           are also the readiness handshake: a rank publishes only once its previous round is fully consumed)
-//   send    wait for every rank's histogram, derive every destination's row layout, then encode each token once
-//           (shared memory) and store it to each destination rank; the last block publishes the message counts
-//   recv    wait for every source's count, lay out row_offsets / expert_ids / scales_offsets, place metadata,
-//           scales and the extra expert copies, zero the padding; the last block re-arms the counts
+//   notify  reserve every (token, k) row slot and (token, rank) message slot with atomics, then publish the
+//           histogram, the token count and the message count to every destination (the histograms are also the
+//           readiness handshake: a rank publishes only once its previous round is fully consumed)
+//   send    wait for every rank's histogram, derive every destination's row layout, then one warp per token:
+//           encode it once (shared memory, or straight from x for bf16), store it to each destination rank, and
+//           set the message's ready tag last
+//   recv    lay out row_offsets / expert_ids / scales_offsets from the histograms alone, then place each message
+//           as its ready tag lands (metadata, scales, copies to the token's other local experts) and zero the
+//           padding; the copies overlap the incoming stream
 #include "ep.cuh"
 #include "formats.cuh"
 
