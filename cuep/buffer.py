@@ -106,6 +106,14 @@ class Buffer:
     def __init__(self, group: Group, cfg: EPConfig, *, timeout_s: float = 5.0, num_sms: int | None = None):
         import cupy
 
+        if not isinstance(group, Group):
+            raise TypeError(f"group must be a cuep.Group (from cuep.init() or cuep.init_distributed()), got "
+                            f"{type(group).__name__}; call cuep.Buffer(group, cfg)")
+        if not isinstance(cfg, EPConfig):
+            raise TypeError(f"cfg must be a cuep.EPConfig, got {type(cfg).__name__}; call cuep.Buffer(group, cfg)")
+        if group._closed:
+            raise RuntimeError("group was closed (group.close()); create a new one with cuep.init() or "
+                               "cuep.init_distributed()")
         if cfg.n_nodes > 1:
             raise NotImplementedError(
                 f"n_nodes={cfg.n_nodes}: cuep has only the intranode NVLink transport (peer pointers); a multi-node "
@@ -115,7 +123,8 @@ class Buffer:
                              f"{group.n_ranks} ranks")
         if cfg.top_k > MAX_TOP_K:
             raise ValueError(f"top_k={cfg.top_k} exceeds the kernels' limit of {MAX_TOP_K}")
-        if not (timeout_s > 0 and math.isfinite(timeout_s)):
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float, np.integer, np.floating)) \
+                or not (timeout_s > 0 and math.isfinite(timeout_s)):
             raise ValueError(f"timeout_s={timeout_s!r} must be a positive number of seconds")
         self.group, self.cfg, self.timeout_s = group, cfg, float(timeout_s)
         self._launch_cache: dict = {}  # launch shapes per kernel family, computed once (device queries are slow)
@@ -213,6 +222,16 @@ class Buffer:
                 r.params.set(arr)
 
     # ---- state ---------------------------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` has run: the memory is freed and every call on the buffer raises."""
+        return getattr(self, "_closed", False)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this cuep.Buffer was closed (buf.close()), its memory is freed; create a new "
+                               "cuep.Buffer(group, cfg) for more rounds")
+
     def reset(self) -> None:
         """Re-arm every rank (counts empty, flags and counters zero, error cleared). Synchronises the devices.
 
@@ -222,6 +241,7 @@ class Buffer:
         """
         import cupy
 
+        self._check_open()
         cfg = self.cfg
         reg = cfg.buffer_regions
         for r in self._ranks:  # this rank's own work first, so the barrier below means "every rank is idle"
@@ -245,7 +265,9 @@ class Buffer:
 
     def check(self) -> None:
         """Raise :class:`EPError` if a kernel of any local rank reported a failure (reads host-mapped memory; no
-        synchronisation, so it sees failures of kernels that have already run)."""
+        synchronisation, so it sees failures of kernels that have already run). Raises ``RuntimeError`` after
+        :meth:`close`."""
+        self._check_open()
         for r in self._ranks:
             status, kernel, expert, src = (int(v) for v in r.err_host)
             if status:
@@ -262,6 +284,7 @@ class Buffer:
         """Wait for every local rank's device, then :meth:`check`."""
         import cupy
 
+        self._check_open()
         for r in self._ranks:
             with cupy.cuda.Device(r.device):
                 cupy.cuda.get_current_stream().synchronize()
@@ -276,6 +299,7 @@ class Buffer:
         """
         import cupy
 
+        self._closed = True
         hook, self._atexit = getattr(self, "_atexit", None), None
         if hook is not None:
             atexit.unregister(hook)

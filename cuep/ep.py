@@ -72,19 +72,41 @@ def _as_list(v, n: int, name: str) -> list:
     raise TypeError(f"{name} must be a list of {n} arrays (one per local rank), got {type(v).__name__}")
 
 
-def _check_array(a, name: str, device: int, dtypes, ndim: int):
+def _check_buffer(buf, call: str) -> None:
+    """``buf`` is an open :class:`Buffer` (the first argument of every call; a common slip is to leave it out)."""
+    if not isinstance(buf, Buffer):
+        raise TypeError(f"{call}: the first argument must be the cuep.Buffer of the group (cuep.Buffer(group, cfg)), "
+                        f"got {type(buf).__name__}")
+    buf._check_open()
+
+
+def _dtype_names(dtypes) -> str:
+    return " or ".join(str(np.dtype(d)) for d in dtypes)
+
+
+def _check_array(a, name: str, device: int, dtypes, ndim: int, layout: str = "", hint: str = ""):
+    """Type, device, ndim, dtype and C-contiguity of one rank's CuPy array; every message names ``name``, what was
+    expected, what was given and what to do. ``layout`` (e.g. ``"[N, H]"``) describes the axes; ``hint`` is
+    appended to the dtype message (where the expected dtype comes from)."""
     import cupy
 
+    if isinstance(a, np.ndarray):
+        raise TypeError(f"{name} is a numpy.ndarray (host memory); pass a CuPy array on GPU {device}: "
+                        f"`with cupy.cuda.Device({device}): {name.split('[')[0]} = cupy.asarray(...)`")
     if not isinstance(a, cupy.ndarray):
-        raise TypeError(f"{name} must be a cupy.ndarray on GPU {device}, got {type(a).__name__}")
+        raise TypeError(f"{name} must be a cupy.ndarray on GPU {device}, got {type(a).__name__} "
+                        f"(convert it with cupy.asarray on that device)")
     if a.device.id != device:
-        raise ValueError(f"{name} is on GPU {a.device.id}; this rank runs on GPU {device}")
+        raise ValueError(f"{name} is on GPU {a.device.id}; this rank runs on GPU {device}: copy it there with "
+                         f"`with cupy.cuda.Device({device}): a = a.copy()`")
     if a.ndim != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got shape {a.shape}")
+        raise ValueError(f"{name} must be {ndim}-D{' ' + layout if layout else ''}, got shape {a.shape}")
     if a.dtype not in dtypes:
-        raise TypeError(f"{name} has dtype {a.dtype}; expected one of {[str(np.dtype(d)) for d in dtypes]}")
+        want = _dtype_names(dtypes)
+        raise TypeError(f"{name} has dtype {a.dtype}; expected {want}{' ' + hint if hint else ''} "
+                        f"(convert with .astype(...))")
     if not a.flags.c_contiguous:
-        raise ValueError(f"{name} must be C-contiguous (use cupy.ascontiguousarray)")
+        raise ValueError(f"{name} must be C-contiguous, got strides {a.strides} (use cupy.ascontiguousarray)")
 
 
 @functools.lru_cache(maxsize=1)
@@ -180,23 +202,29 @@ def _kernel(name: str, smem: int):
 
 def _validate_dispatch(buf, xs, ids, ws, global_scale):
     cfg = buf.cfg
-    if not (isinstance(global_scale, (int, float, np.floating)) and math.isfinite(global_scale) and global_scale > 0):
+    if isinstance(global_scale, (bool, np.bool_)) or not (
+            isinstance(global_scale, (int, float, np.integer, np.floating)) and math.isfinite(global_scale)
+            and global_scale > 0):
         raise ValueError(f"global_scale={global_scale!r} must be a finite positive number")
     for i, r in enumerate(buf._ranks):
         tag = f"[rank {r.rank}]"
-        _check_array(xs[i], f"x{tag}", r.device, (np.dtype(np.float32), _bf16()), 2)
+        _check_array(xs[i], f"x{tag}", r.device, (_bf16(), np.dtype(np.float32)), 2, "[N, H]")
         n, h = xs[i].shape
         if h != cfg.hidden:
-            raise ValueError(f"x{tag} has {h} columns; cfg.hidden is {cfg.hidden}")
+            raise ValueError(f"x{tag} has shape {xs[i].shape}: {h} columns, but cfg.hidden is {cfg.hidden}")
         if n > cfg.max_tokens_per_rank:
-            raise ValueError(f"x{tag} has {n} tokens; cfg.max_tokens_per_rank is {cfg.max_tokens_per_rank}")
-        _check_array(ids[i], f"topk_ids{tag}", r.device, (np.dtype(np.int32),), 2)
+            raise ValueError(f"x{tag} has {n} tokens (shape {xs[i].shape}), more than cfg.max_tokens_per_rank="
+                             f"{cfg.max_tokens_per_rank}: split the batch, or build the Buffer with a larger "
+                             f"max_tokens_per_rank")
+        _check_array(ids[i], f"topk_ids{tag}", r.device, (np.dtype(np.int32),), 2, "[N, top_k]")
         if ids[i].shape != (n, cfg.top_k):
-            raise ValueError(f"topk_ids{tag} has shape {ids[i].shape}; expected ({n}, {cfg.top_k}) = (tokens, top_k)")
+            raise ValueError(f"topk_ids{tag} has shape {ids[i].shape}; expected ({n}, {cfg.top_k}) = "
+                             f"(tokens of x{tag}, top_k)")
         if ws[i] is not None:
-            _check_array(ws[i], f"topk_weights{tag}", r.device, (np.dtype(np.float32),), 2)
+            _check_array(ws[i], f"topk_weights{tag}", r.device, (np.dtype(np.float32),), 2, "[N, top_k]")
             if ws[i].shape != (n, cfg.top_k):
-                raise ValueError(f"topk_weights{tag} has shape {ws[i].shape}; expected ({n}, {cfg.top_k})")
+                raise ValueError(f"topk_weights{tag} has shape {ws[i].shape}; expected ({n}, {cfg.top_k}) = "
+                                 f"(tokens of x{tag}, top_k)")
 
 
 def _validate_ids(buf: Buffer, ids: list) -> None:
@@ -224,6 +252,7 @@ def _validate_ids(buf: Buffer, ids: list) -> None:
 def _dispatch(buf: Buffer, x, topk_ids, topk_weights, global_scale: float, phases: int, validate: bool = False):
     import cupy
 
+    _check_buffer(buf, "cuep.dispatch")
     buf.check()
     n = len(buf._ranks)
     xs, ids = _as_list(x, n, "x"), _as_list(topk_ids, n, "topk_ids")
@@ -286,12 +315,24 @@ def dispatch_wait(pending):
     """The receive half: waits (on the device, bounded) for every source and builds the outputs."""
     import cupy
 
-    items = pending if isinstance(pending, (list, tuple)) else [pending]
+    items = list(pending) if isinstance(pending, (list, tuple)) else [pending]
+    bad = next((d for d in items if not isinstance(d, Dispatched)), None) if items else pending
+    if bad is not None:
+        raise TypeError(f"dispatch_wait takes what dispatch_async returned (a cuep.Dispatched, or the list of them), "
+                        f"got {type(bad).__name__}")
     buf = items[0]._buffer
+    if any(d._buffer is not buf for d in items):
+        raise ValueError("dispatch_wait got Dispatched results of different buffers; pass the list one "
+                         "dispatch_async call returned")
+    _check_buffer(buf, "cuep.dispatch_wait")
     buf.check()
+    by_rank = {d.rank: d for d in items}
+    missing = [r.rank for r in buf._ranks if r.rank not in by_rank]
+    if missing or len(items) != len(buf._ranks):
+        raise ValueError(f"dispatch_wait got results for rank(s) {[d.rank for d in items]}; this process drives "
+                         f"rank(s) {[r.rank for r in buf._ranks]}: pass the whole list dispatch_async returned")
     cfg = buf.cfg
     threads, smem = _dispatch_launch(buf, staged=False)
-    by_rank = {d.rank: d for d in items}
     for i, ph in _launch_order(buf, PHASE_RECV):
         r = buf._ranks[i]
         d = by_rank[r.rank]
@@ -309,6 +350,7 @@ def dispatch_wait(pending):
 def _combine(buf: Buffer, expert_out, dispatched, topk_weights, residual, phases: int):
     import cupy
 
+    _check_buffer(buf, "cuep.combine")
     buf.check()
     cfg = buf.cfg
     n = len(buf._ranks)
@@ -321,27 +363,38 @@ def _combine(buf: Buffer, expert_out, dispatched, topk_weights, residual, phases
     for i, r in enumerate(buf._ranks):
         tag = f"[rank {r.rank}]"
         d = ds[i]
-        if not isinstance(d, Dispatched) or d._buffer is not buf or d.rank != r.rank:
-            raise ValueError(f"dispatched{tag} must be the Dispatched this buffer returned for rank {r.rank}")
-        _check_array(eos[i], f"expert_out{tag}", r.device, (cdt,), 2)
+        if not isinstance(d, Dispatched):
+            raise TypeError(f"dispatched{tag} must be the cuep.Dispatched that dispatch returned for rank "
+                            f"{r.rank}, got {type(d).__name__}")
+        if d._buffer is not buf:
+            raise ValueError(f"dispatched{tag} was returned by a different cuep.Buffer; combine on the buffer that "
+                             f"dispatched it")
+        if d.rank != r.rank:
+            raise ValueError(f"dispatched{tag} is the result of rank {d.rank}; pass the list dispatch returned, in "
+                             f"its order (entry i belongs to local rank i)")
+        where = f"cfg.combine_dtype={cfg.combine_dtype!r}"
+        _check_array(eos[i], f"expert_out{tag}", r.device, (cdt,), 2, "[capacity, H]", f"({where})")
         if eos[i].shape[0] < cfg.capacity or eos[i].shape[1] != cfg.hidden:
             raise ValueError(f"expert_out{tag} has shape {eos[i].shape}; expected at least ({cfg.capacity}, "
-                             f"{cfg.hidden}) = (cfg.capacity, hidden): row i is the output of dispatched row i")
+                             f"{cfg.hidden}) = (cfg.capacity, hidden): row i is the output of dispatched row i, so "
+                             f"allocate cfg.capacity rows")
         N = d.num_tokens
         if ws[i] is not None:
-            _check_array(ws[i], f"topk_weights{tag}", r.device, (np.dtype(np.float32),), 2)
+            _check_array(ws[i], f"topk_weights{tag}", r.device, (np.dtype(np.float32),), 2, "[N, top_k]")
             if ws[i].shape != (N, cfg.top_k):
-                raise ValueError(f"topk_weights{tag} has shape {ws[i].shape}; expected ({N}, {cfg.top_k})")
+                raise ValueError(f"topk_weights{tag} has shape {ws[i].shape}; expected ({N}, {cfg.top_k}) = "
+                                 f"(tokens dispatched by rank {r.rank}, top_k)")
             mode = MODE_WEIGHTED
         else:
             mode = MODE_PARTIAL if d._has_weights else MODE_UNREDUCED
         if res[i] is not None:
             if mode == MODE_UNREDUCED:
-                raise ValueError(f"residual{tag} applies to the reduced output; pass topk_weights (here or at "
-                                 f"dispatch) or leave residual out")
-            _check_array(res[i], f"residual{tag}", r.device, (cdt,), 2)
+                raise ValueError(f"residual{tag} is added to the weighted sum, but there are no topk_weights (not "
+                                 f"given to dispatch nor to combine): pass topk_weights, or leave residual out")
+            _check_array(res[i], f"residual{tag}", r.device, (cdt,), 2, "[N, H]", f"({where})")
             if res[i].shape != (N, cfg.hidden):
-                raise ValueError(f"residual{tag} has shape {res[i].shape}; expected ({N}, {cfg.hidden})")
+                raise ValueError(f"residual{tag} has shape {res[i].shape}; expected ({N}, {cfg.hidden}) = "
+                                 f"(tokens dispatched by rank {r.rank}, hidden)")
         with cupy.cuda.Device(r.device):
             T, H, K = cfg.max_tokens_per_rank, cfg.hidden, cfg.top_k
             if mode == MODE_UNREDUCED:

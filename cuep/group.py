@@ -199,6 +199,13 @@ def init(devices: list[int] | None = None) -> Group:
         RuntimeError: no GPU, or a pair of devices without peer access.
         ValueError: an empty list, more than 8 ranks, or an unknown device id.
     """
+    if devices is not None:
+        if isinstance(devices, (int, str)) or not hasattr(devices, "__iter__"):
+            raise TypeError(f"devices must be a list of CUDA device ids, e.g. [0, 1] (or None for all GPUs), got "
+                            f"{devices!r}")
+        devices = list(devices)
+        if any(isinstance(d, bool) or not hasattr(d, "__index__") for d in devices):
+            raise TypeError(f"devices={devices!r} must hold int CUDA device ids, e.g. [0, 1]")
     n_dev = _require_gpu("cuep.init")
     if devices is None:
         devices = list(range(n_dev))

@@ -26,7 +26,7 @@ import numpy as np
 from . import ops
 from . import reference
 from .config import EPConfig
-from .ep import combine, dispatch
+from .ep import _check_array, _check_buffer, combine, dispatch
 from .formats import SCALE_TILE_BYTES, SCALE_TILE_COLS, SCALE_TILE_ROWS
 
 __all__ = ["MoEWeights", "init_weights", "route", "moe_forward", "moe_reference", "PHASES"]
@@ -127,6 +127,8 @@ def init_weights(cfg: EPConfig, intermediate: int, seed: int = 0, devices=None, 
     ranks = list(range(cfg.n_ranks)) if ranks is None else [int(r) for r in ranks]
     if any(not 0 <= r < cfg.n_ranks for r in ranks):
         raise ValueError(f"ranks={ranks} must lie in [0, cfg.n_ranks={cfg.n_ranks})")
+    if devices is not None and (isinstance(devices, (int, str)) or not hasattr(devices, "__len__")):
+        raise TypeError(f"devices must be a list of CUDA device ids, one per rank, e.g. [0, 1]; got {devices!r}")
     if devices is not None and len(devices) != len(ranks):
         raise ValueError(f"devices has {len(devices)} entries; expected one per rank ({len(ranks)})")
     H, I, E, L = cfg.hidden, int(intermediate), cfg.n_experts, cfg.n_local_experts
@@ -276,6 +278,8 @@ class _PhaseTimer:
 
 
 def _check_forward_args(buf, xs, ws) -> None:
+    _check_buffer(buf, "moe_forward")
+    buf.check()
     cfg = buf.cfg
     if cfg.skip_a2a:
         raise ValueError("moe_forward needs every token sent to its experts; cfg.skip_a2a gives per-rank partial "
@@ -291,15 +295,22 @@ def _check_forward_args(buf, xs, ws) -> None:
         for name in ("w_gate_up", "w_down", "router"):
             a = getattr(w, name)
             if not isinstance(a, cupy.ndarray) or a.device.id != dev:
-                raise ValueError(f"weights{tag}.{name} must be a cupy array on GPU {dev} (init_weights(..., devices))")
+                got = f"a cupy array on GPU {a.device.id}" if isinstance(a, cupy.ndarray) else \
+                    f"a {type(a).__module__.split('.')[0]}.{type(a).__name__} (host memory)"
+                raise ValueError(f"weights{tag}.{name} must be a cupy array on GPU {dev}, got {got}: build the "
+                                 f"weights with init_weights(cfg, I, devices=buf.group.devices)")
         if w.n_held != cfg.n_groups or w.hidden != cfg.hidden or w.router.shape[1] != cfg.n_experts:
             raise ValueError(f"weights{tag} hold {w.n_held} experts of hidden {w.hidden} and a router over "
                              f"{w.router.shape[1]} experts; cfg needs {cfg.n_groups} (L = {cfg.n_local_experts}"
                              f"{' + the shared expert' if cfg.fused_shared_expert else ''}), hidden {cfg.hidden}, "
                              f"E = {cfg.n_experts}")
-        if not isinstance(x, cupy.ndarray) or x.ndim != 2 or x.shape[1] != cfg.hidden:
-            raise ValueError(f"x{tag} must be a cupy [N, {cfg.hidden}] array, got {type(x).__name__} "
-                             f"{getattr(x, 'shape', None)}")
+        _check_array(x, f"x{tag}", dev, (BF16, _F32), 2, f"[N, {cfg.hidden}]")
+        if x.shape[1] != cfg.hidden:
+            raise ValueError(f"x{tag} must be a cupy [N, {cfg.hidden}] array (cfg.hidden={cfg.hidden}), got shape "
+                             f"{x.shape}")
+        if x.shape[0] > cfg.max_tokens_per_rank:
+            raise ValueError(f"x{tag} has {x.shape[0]} tokens, more than cfg.max_tokens_per_rank="
+                             f"{cfg.max_tokens_per_rank}: split the batch")
 
 
 def moe_forward(buf, x, weights, *, global_scale: float = 1.0, timings: dict | None = None):
@@ -320,11 +331,12 @@ def moe_forward(buf, x, weights, *, global_scale: float = 1.0, timings: dict | N
         per local rank, [N, H] in ``cfg.combine_dtype`` (bfloat16 by default): ``sum_k w[t, k] * expert_k(x[t])``
         (+ ``shared(x[t])``), a fresh array (not the buffer's reused combine output).
     """
-    cfg = buf.cfg
     bare = not isinstance(x, (list, tuple))
     xs = [x] if bare else list(x)
-    ws = [weights] if isinstance(weights, MoEWeights) else list(weights)
+    ws = [weights] if isinstance(weights, MoEWeights) else list(weights) if isinstance(weights, (list, tuple)) \
+        else [weights]
     _check_forward_args(buf, xs, ws)
+    cfg = buf.cfg
     devices = buf.group.devices
     cdt = BF16 if cfg.combine_dtype == "bfloat16" else _F32
     timer = _PhaseTimer(devices, timings is not None)

@@ -36,11 +36,15 @@ _DTYPE_SUFFIX = {_BF16: "bf16", _F32: "f32"}
 # ---- argument checks ------------------------------------------------------------------------------------------
 def _check_array(a, argname: str, dtypes, ndim: int, shape=None) -> None:
     """Type, dtype, ndim, exact shape (None entries are free), C-contiguity and device of a CuPy array."""
+    if isinstance(a, np.ndarray):
+        raise TypeError(f"{argname} must be a cupy.ndarray, got numpy.ndarray (host memory): move it to the GPU "
+                        f"first with cupy.asarray(...)")
     if not isinstance(a, cupy.ndarray):
-        raise TypeError(f"{argname} must be a cupy.ndarray, got {type(a).__name__}")
+        raise TypeError(f"{argname} must be a cupy.ndarray, got {type(a).__name__} (convert it with cupy.asarray)")
     dtypes = tuple(np.dtype(d) for d in dtypes)
     if a.dtype not in dtypes:
-        raise TypeError(f"{argname} must have dtype {' or '.join(str(d) for d in dtypes)}, got {a.dtype}")
+        raise TypeError(f"{argname} must have dtype {' or '.join(str(d) for d in dtypes)}, got {a.dtype} "
+                        f"(convert with .astype(...))")
     if a.ndim != ndim:
         raise ValueError(f"{argname} must be {ndim}-D, got shape {a.shape}")
     if shape is not None and any(want is not None and got != want for got, want in zip(a.shape, shape)):
@@ -50,7 +54,8 @@ def _check_array(a, argname: str, dtypes, ndim: int, shape=None) -> None:
         raise ValueError(f"{argname} must be C-contiguous (the kernels ignore strides); use cupy.ascontiguousarray")
     dev = cupy.cuda.Device().id
     if a.device.id != dev:
-        raise ValueError(f"{argname} is on device {a.device.id}, but the current device is {dev}")
+        raise ValueError(f"{argname} is on device {a.device.id}, but the current device is {dev}: call the op "
+                         f"inside `with cupy.cuda.Device({a.device.id}):`, or copy the array to device {dev}")
 
 
 def _check_global_scale(global_scale) -> np.float32:
@@ -80,7 +85,8 @@ def _check_hidden_arg(f: Format, hidden, argname: str = "hidden") -> int:
 
 def _check_out_tuple(out, argname: str, n: int) -> tuple:
     if not isinstance(out, (tuple, list)) or len(out) != n:
-        raise TypeError(f"{argname} must be a tuple of {n} cupy arrays, got {type(out).__name__}")
+        got = f"{type(out).__name__} of {len(out)}" if isinstance(out, (tuple, list)) else type(out).__name__
+        raise TypeError(f"{argname} must be a tuple of {n} cupy arrays, got {got}")
     return tuple(out)
 
 
