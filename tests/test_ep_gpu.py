@@ -83,7 +83,8 @@ def test_cuda_graph_replay(devices, rng):
     d = cuep.dispatch(buf, gx, gids, gws)
     out = cuep.combine(buf, eo, d)
     buf.synchronize()
-    assert len(set(buf.group.devices)) == 1, "graph test captures one device's stream"
+    if len(set(buf.group.devices)) != 1:
+        pytest.skip("this test captures one device's stream; with several GPUs each device needs its own graph")
     with cupy.cuda.Device(buf.group.devices[0]):
         stream = cupy.cuda.Stream(non_blocking=True)
         with stream:
