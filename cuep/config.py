@@ -148,9 +148,9 @@ class EPConfig:
     # ---- symmetric buffers (per rank) ----------------------------------------------------------------------
     @property
     def n_counters(self) -> int:
-        """int32 counters private to a rank: slots per destination rank (8), round and completion counters (24),
-        per-expert histogram and slot counters (2 x E)."""
-        return 32 + 2 * self.n_experts
+        """int32 counters private to a rank: message slots per destination rank (8), round, completion and work
+        counters (24), and the per-expert histogram (E), which is also the slot counter of each expert."""
+        return 32 + self.n_experts
 
     @property
     def buffer_regions(self) -> dict[str, tuple[int, int]]:

@@ -257,13 +257,7 @@ def plot_sweep(results: list[dict], out_dir: str | os.PathLike, ceilings: dict |
             ax.grid(True, which="both", alpha=0.3)
     for i in range(nrows):
         axes[i][-1].legend(fontsize=7, ncol=2)
-    if title:
-        fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    p = out / PLOT_NAMES[0]
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    paths.append(p)
+    paths.append(_save(fig, out / PLOT_NAMES[0], title))
 
     from matplotlib.ticker import FuncFormatter
 
@@ -282,14 +276,20 @@ def plot_sweep(results: list[dict], out_dir: str | os.PathLike, ceilings: dict |
         ax.set_title(op)
         ax.grid(True, which="both", alpha=0.3)
     axes[0][-1].legend(fontsize=7, ncol=2)
+    paths.append(_save(fig, out / PLOT_NAMES[1], title))
+    return paths
+
+
+def _save(fig, path, title: str | None):
+    """Title, lay out, write and close one figure; returns its path."""
+    import matplotlib.pyplot as plt
+
     if title:
         fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    p = out / PLOT_NAMES[1]
-    fig.savefig(p, dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    paths.append(p)
-    return paths
+    return path
 
 
 def _log2_n_axis(ax) -> None:

@@ -66,8 +66,7 @@ enum Counter : int {
     C_DONE_CSEND = 15,
     C_DONE_CRECV = 16,
     C_RECV_ITEM = 17,     // next receive work item to claim (dispatch receive phase)
-    C_HIST = 32,          // [E] this round's expert histogram
-                          // [E] after it: slots reserved per expert
+    C_HIST = 32,          // [E] this round's expert histogram (atomics on it also reserve each choice's slot)
 };
 
 // Kernel ids recorded in ErrorRecord.kernel.
