@@ -36,6 +36,15 @@ def source_hash() -> str:
     return h.hexdigest()[:16]
 
 
+def extra_defines() -> dict[str, str]:
+    """The ``CUEP_EXTRA_DEFINES="A=1 B=2"`` developer knobs as a dict (``{"A": "1", "B": "2"}``)."""
+    out = {}
+    for d in os.environ.get("CUEP_EXTRA_DEFINES", "").split():
+        name, _, value = d.partition("=")
+        out[name] = value or "1"
+    return out
+
+
 def compile_options() -> tuple[str, ...]:
     """The options cuep passes to ``cupy.RawModule`` (CuPy adds :data:`CUPY_IMPLICIT_OPTIONS` and -arch).
 

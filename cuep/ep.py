@@ -25,6 +25,7 @@ import numpy as np
 
 from . import _kernels
 from .buffer import Buffer
+from .formats import GLOBAL_SCALE_MAX, GLOBAL_SCALE_MIN
 
 PHASE_NOTIFY, PHASE_SEND, PHASE_RECV = 1, 2, 4
 MODE_PARTIAL, MODE_WEIGHTED, MODE_UNREDUCED = 0, 1, 2
@@ -204,8 +205,9 @@ def _validate_dispatch(buf, xs, ids, ws, global_scale):
     cfg = buf.cfg
     if isinstance(global_scale, (bool, np.bool_)) or not (
             isinstance(global_scale, (int, float, np.integer, np.floating)) and math.isfinite(global_scale)
-            and global_scale > 0):
-        raise ValueError(f"global_scale={global_scale!r} must be a finite positive number")
+            and GLOBAL_SCALE_MIN <= np.float32(global_scale) <= GLOBAL_SCALE_MAX):
+        raise ValueError(f"global_scale={global_scale!r} must be a finite positive number in [2**-100, 2**100] "
+                         "(nvfp4's global scale, as float32)")
     for i, r in enumerate(buf._ranks):
         tag = f"[rank {r.rank}]"
         _check_array(xs[i], f"x{tag}", r.device, (_bf16(), np.dtype(np.float32)), 2, "[N, H]")

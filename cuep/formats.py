@@ -26,6 +26,10 @@ FP8_AMAX_FLOOR = 1e-4
 NVFP4_BLOCK = 16
 MXFP4_BLOCK = 32
 E2M1_MAX = 6.0
+# nvfp4's global scale g must lie in [GLOBAL_SCALE_MIN, GLOBAL_SCALE_MAX] (as float32): the kernels divide g by
+# the block scale with FMAs (no IEEE division), exact for every g in this range (docs/formats.md).
+GLOBAL_SCALE_MIN = 2.0**-100
+GLOBAL_SCALE_MAX = 2.0**100
 
 # 128 x 4 block-scale tiles that block-scaled grouped GEMMs read (cuBLAS "1D block scaling factors layout").
 SCALE_TILE_ROWS = 128

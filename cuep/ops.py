@@ -15,13 +15,16 @@ import ml_dtypes
 import numpy as np
 
 from . import _kernels
-from .formats import SCALE_TILE_BYTES, SCALE_TILE_ROWS, Format, ceil_div, check_hidden, get_format
+from .formats import (GLOBAL_SCALE_MAX, GLOBAL_SCALE_MIN, SCALE_TILE_BYTES, SCALE_TILE_ROWS, Format, ceil_div,
+                      check_hidden, get_format)
 
 __all__ = ["quantize", "dequantize", "swizzle_block_scales", "fused_silu"]
 
 _THREADS = 256        # kOpsThreads in cuda_src/formats.cuh (a CPU test checks they agree)
 _MAX_GROUPS = 4096    # kMaxGroups in cuda_src/formats.cuh: row_offsets of the swizzled layouts live in shared memory
 _WARP = 32
+_SILU_STAGE_BYTES = 2048  # kSiluStageBytes in cuda_src/silu.cu: one span of gate and up per warp
+_SILU_STAGES = 2          # kSiluStages (CUEP_EXTRA_DEFINES="CUEP_SILU_STAGES=n" overrides both, for A/B runs)
 _LANE_VALUES = 8      # values per lane per warp step
 _INT32_MAX = 2**31 - 1
 
@@ -59,16 +62,17 @@ def _check_array(a, argname: str, dtypes, ndim: int, shape=None) -> None:
 
 
 def _check_global_scale(global_scale) -> np.float32:
-    """nvfp4's g as float32: finite and a normal float32 > 0 (as cuep.reference checks it)."""
+    """nvfp4's g as float32, in [2**-100, 2**100] (as cuep.reference checks it)."""
+    msg = f"global_scale={global_scale!r} must be a float in [2**-100, 2**100] (nvfp4's global scale)"
     if isinstance(global_scale, (bool, np.bool_)):
-        raise ValueError(f"global_scale={global_scale!r} must be a finite float > 0")
+        raise ValueError(msg)
     try:
         with np.errstate(all="ignore"):
             g = np.float32(global_scale)
     except (TypeError, ValueError):
-        raise ValueError(f"global_scale={global_scale!r} must be a finite float > 0") from None
-    if not (np.isfinite(g) and g >= np.finfo(np.float32).tiny):
-        raise ValueError(f"global_scale={global_scale!r} must be a finite float > 0 (a normal float32)")
+        raise ValueError(msg) from None
+    if not GLOBAL_SCALE_MIN <= g <= GLOBAL_SCALE_MAX:
+        raise ValueError(msg)
     return g
 
 
@@ -132,8 +136,30 @@ def _grid(filename: str, name: str, kernel, work_blocks: int, smem: int = 0) -> 
     return max(1, min(int(work_blocks), sms * occ))
 
 
+_SMEM_DEFAULT_LIMIT = 48 << 10  # shared memory a block gets without opting in
+_smem_opt_in: dict = {}
+
+
+def _allow_shared(filename: str, name: str, kern, smem: int) -> None:
+    """Let ``kern`` take ``smem`` bytes of dynamic shared memory (opting in past 48 KiB), once per size."""
+    key = (filename, name, cupy.cuda.Device().id)
+    allowed = _smem_opt_in.get(key)
+    if allowed is None:
+        allowed = _smem_opt_in[key] = _SMEM_DEFAULT_LIMIT - kern.shared_size_bytes
+    if smem > allowed:
+        kern.max_dynamic_shared_size_bytes = smem
+        _smem_opt_in[key] = smem
+
+
+def _silu_ring_bytes() -> int:
+    """Dynamic shared memory of fused_silu's load ring per block (silu.cu: kSiluStages x kSiluStageBytes x warps)."""
+    stages = int(_kernels.extra_defines().get("CUEP_SILU_STAGES", _SILU_STAGES))
+    return stages * _SILU_STAGE_BYTES * (_THREADS // _WARP)
+
+
 def _launch(filename: str, name: str, work_blocks: int, args: tuple, smem: int = 0) -> None:
     kern = _kernel(filename, name)
+    _allow_shared(filename, name, kern, smem)
     grid = _grid(filename, name, kern, work_blocks, smem)
     kern((grid,), (_THREADS,), args, shared_mem=smem)
 
@@ -347,7 +373,7 @@ def fused_silu(h: cupy.ndarray, row_offsets: cupy.ndarray, out_fmt: str = "bf16"
     scales = outs[1] if len(outs) > 1 else dummy
     scales_offsets = outs[2] if len(outs) > 2 else dummy
     max_tiles = _swizzle_tiles(cap, n_groups) if f.swizzled_scales else 0
-    smem = 2 * (n_groups + 1) * 4 if f.swizzled_scales else 0
+    smem = _silu_ring_bytes() + (2 * (n_groups + 1) * 4 if f.swizzled_scales else 0)
     name = f"fused_silu_{f.name}_{_DTYPE_SUFFIX[h.dtype]}" + ("_interleaved" if bool(interleaved) else "")
     work = _warp_item_blocks(cap, inter)
     if f.swizzled_scales:
@@ -443,6 +469,29 @@ def _selftest_encode(v: cupy.ndarray):
         _kernel("selftest.cu", "selftest_encode")((ceil_div(n, _THREADS),), (_THREADS,),
                                                   (v, e4m3, e2m1, bf16, flushed, np.int64(n)))
     return e4m3, e2m1, bf16, flushed
+
+
+def _selftest_silu(v: cupy.ndarray) -> tuple[cupy.ndarray, cupy.ndarray]:
+    """formats.cuh silu_f32 and rcp_rn_normal on float32 values: (silu, rcp), float32, the shape of ``v`` (1-D)."""
+    _check_array(v, "v", (_F32,), 1)
+    n = v.size
+    silu, rcp = cupy.empty(n, _F32), cupy.empty(n, _F32)
+    if n:
+        _kernel("selftest.cu", "selftest_silu")((ceil_div(n, _THREADS),), (_THREADS,), (v, silu, rcp, np.int64(n)))
+    return silu, rcp
+
+
+def _selftest_scale_divisions(mode: int, first: int, count: int, gs: cupy.ndarray | None = None) -> tuple[int, int]:
+    """selftest.cu selftest_scale_divisions: (mismatches, first mismatching index or 2**64 - 1) of the quantizers'
+    division-free scale arithmetic against IEEE division over ``count`` inputs (see the kernel's comment)."""
+    result = cupy.array([0, 2**64 - 1], np.uint64)
+    gs = cupy.zeros(1, _F32) if gs is None else gs
+    if mode == 3 and gs.size * 126 < count:
+        raise ValueError("gs must hold count / 126 values")
+    _kernel("selftest.cu", "selftest_scale_divisions")((4096,), (_THREADS,), (np.int32(mode), np.uint64(first),
+                                                                                np.uint64(count), gs, result))
+    bad, at = (int(v) for v in result.get())
+    return bad, at
 
 
 def _selftest_decode() -> tuple[cupy.ndarray, cupy.ndarray]:

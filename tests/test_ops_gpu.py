@@ -102,6 +102,9 @@ def test_formats_cuh_constants_match_python():
     assert int(c["kScaleTileBytes"]) == formats.SCALE_TILE_BYTES
     assert int(c["kOpsThreads"]) == ops._THREADS
     assert int(c["kMaxGroups"]) == ops._MAX_GROUPS
+    silu = _cuh_constants("silu.cu")
+    assert int(silu["kSiluStageBytes"]) == ops._SILU_STAGE_BYTES
+    assert re.search(rf"#define CUEP_SILU_STAGES {ops._SILU_STAGES}\n", (_kernels.SRC_DIR / "silu.cu").read_text())
 
 
 def test_silu_constants_match_reference():
@@ -111,13 +114,13 @@ def test_silu_constants_match_reference():
     def f32(name):
         return np.float32(float.fromhex(c[name].rstrip("f")) if "0x" in c[name] else float(c[name].rstrip("f")))
 
-    assert f32("kSiluXMin") == ref_ep.SILU_X_MIN and f32("kSiluXMax") == ref_ep.SILU_X_MAX
+    assert f32("kSiluXMin") == ref_ep.SILU_X_MIN
     pairs = [("kSiluLog2e", ref_ep.SILU_LOG2E), ("kSiluLn2Hi", ref_ep.SILU_LN2_HI), ("kSiluLn2Lo", ref_ep.SILU_LN2_LO),
              ("kSiluC6", ref_ep.SILU_POLY[0]), ("kSiluC5", ref_ep.SILU_POLY[1]), ("kSiluC4", ref_ep.SILU_POLY[2]),
              ("kSiluC3", ref_ep.SILU_POLY[3]), ("kSiluC2", ref_ep.SILU_POLY[4])]
     for name, want in pairs:
         assert f32(name).view(np.uint32) == np.float32(want).view(np.uint32), name
-    assert f32("kSiluRint") == np.float32(1.5 * 2**23)
+    assert f32("kSiluRint") == ref_ep.SILU_RINT == np.float32(1.5 * 2**23)
 
 
 def test_bad_format_names_fail_before_the_gpu():
@@ -326,7 +329,7 @@ def test_dequantize_every_code_and_scale(rng, fmt):
     else:
         s = rng.integers(0, 256, size=(n, f.n_scales(h)), dtype=np.uint8)
         s[: 256 // f.n_scales(h) + 1].reshape(-1)[:256] = np.arange(256, dtype=np.uint8)
-    for g in ([1.0, 1e-3, 3e30] if fmt == "nvfp4" else [1.0]):
+    for g in ([1.0, 1e-3, 1e30] if fmt == "nvfp4" else [1.0]):
         want = ref.dequantize(p, s, fmt, h, g)
         got = ops.dequantize(cupy.asarray(p), cupy.asarray(s), fmt, h, g)
         assert_same_floats(got.get(), want, f"{fmt} g={g}")
@@ -409,6 +412,8 @@ SILU_CASES = [  # (capacity, I, row_offsets)
     (130, 160, [0, 3, 3, 3, 130]),
     (64, 144, [0, 64]),
     (16, 128, [0, 0]),
+    # the most groups (their offsets fill 32 KiB of shared memory next to the kernel's static ring)
+    (600, 256, [0] + sorted(np.random.default_rng(7).integers(0, 591, 4095).tolist()) + [591]),
 ]
 
 
@@ -514,7 +519,7 @@ def test_quantize_bad_arguments():
         ops.quantize(cupy.ones((4, 200), np.float32), "fp8")
     with pytest.raises(ValueError, match=r"x.shape\[1\]"):
         ops.quantize(cupy.ones((4, 48), np.float32), "mxfp4")
-    for g in (0.0, -1.0, float("nan"), float("inf"), True, "x", 1e-45):
+    for g in (0.0, -1.0, float("nan"), float("inf"), True, "x", 1e-45, 2.0**-101, 2.0**101):
         with pytest.raises(ValueError, match="global_scale"):
             ops.quantize(x, "nvfp4", g)
     with pytest.raises(ValueError, match="payload"):
@@ -781,3 +786,57 @@ def test_device_constants_match_python():
     assert (c["SCALE_TILE_ROWS"], c["SCALE_TILE_COLS"], c["SCALE_TILE_BYTES"]) == (
         formats.SCALE_TILE_ROWS, formats.SCALE_TILE_COLS, formats.SCALE_TILE_BYTES)
     assert c["ALIGN"] == formats.ALIGN and c["OPS_THREADS"] == ops._THREADS
+
+
+@pytest.mark.gpu
+def test_rcp_rn_normal_is_correctly_rounded_for_every_d_in_1_2():
+    """The reciprocal inside silu (hardware estimate + one Newton step) is RN(1 / d) for all 2**23 + 1 float32
+    d in [1, 2] (the only range silu gives it), checked against NumPy."""
+    d = (1.0 + np.arange(2**23 + 1, dtype=np.float64) * 2.0**-23).astype(np.float32)
+    _, rcp = ops._selftest_silu(cupy.asarray(d))
+    assert_same_bits(rcp.get(), np.float32(1.0) / d, "rcp")
+
+
+def _f32_bits(x: float) -> int:
+    return int(np.float32(x).view(np.uint32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode, lo, hi", [
+    (0, 0, _f32_bits(np.inf)),                           # fp8 s = max(x, 1e-4) / 448: every finite x >= 0
+    (1, 0, _f32_bits(np.inf)),                           # nvfp4 sf = cvt_e4m3(x / 6): every finite x >= 0
+    (2, _f32_bits(2.0**-23), _f32_bits(2.0**120)),       # RN(1 / s) for every fp8 scale s
+], ids=["fp8-scale", "nvfp4-scale", "fp8-reciprocal"])
+def test_quantizer_scale_arithmetic_equals_ieee_division(mode, lo, hi):
+    """The quantizers' block scales are computed without a division instruction; exhaustively, they equal the IEEE
+    (flushed) division of the contract."""
+    bad, at = ops._selftest_scale_divisions(mode, lo, hi - lo)
+    assert bad == 0, f"{bad} mismatches; first at bits {lo + at:#x}"
+
+
+@pytest.mark.gpu
+def test_nvfp4_global_scale_over_block_scale_equals_ieee_division(rng):
+    """r = g / sfv for every nonzero e4m3 block scale and 2**24 global scales g spread over the allowed
+    [2**-100, 2**100] (and its ends)."""
+    lo, hi = _f32_bits(formats.GLOBAL_SCALE_MIN), _f32_bits(formats.GLOBAL_SCALE_MAX)
+    g = np.concatenate([[lo, hi, _f32_bits(1.0)], rng.integers(lo, hi + 1, 2**24 - 3)]).astype(np.uint32)
+    bad, at = ops._selftest_scale_divisions(3, 0, g.size * 126, cupy.asarray(g.view(np.float32)))
+    assert bad == 0, f"{bad} mismatches; first at g={g.view(np.float32)[at // 126]!r}, e4m3 code {1 + at % 126}"
+
+
+@pytest.mark.gpu
+def test_silu_f32_kernel_is_the_reference(rng):
+    """formats.cuh silu_f32 against cuep.reference.ep.silu_f32, bit for bit, on random, dense-tail and edge gates
+    (NaN gates give NaN on both sides)."""
+    specials = np.array([0.0, -0.0, 1.0, -1.0, 87.0, -87.0, -87.2, -87.34, -87.5, -88.0, -88.5, 89.0, -89.0, 1e-30,
+                         -1e-30, 1e-40, -1e-40, 2.0**-126, -(2.0**-126), 1e20, -1e20, 3e38, -3e38, np.inf, -np.inf,
+                         np.nan], np.float32)
+    g = np.concatenate([specials, rng.uniform(-100, 100, 1_000_000), rng.standard_normal(1_000_000) * 4,
+                        np.linspace(-88.5, -86.5, 200_001), rng.uniform(-1e-3, 1e-3, 100_000)]).astype(np.float32)
+    silu, _ = ops._selftest_silu(cupy.asarray(g))
+    got = silu.get()
+    with np.errstate(all="ignore"):
+        want = ref_ep.silu_f32(g)
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(got), nan)
+    assert_same_bits(got[~nan], want[~nan], "silu")

@@ -1,6 +1,7 @@
 """The NumPy reference of dispatch / combine / fused_silu against brute-force restatements of the contract."""
 from __future__ import annotations
 
+from fractions import Fraction
 
 import ml_dtypes
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 from cuep.config import EPConfig
 from cuep.reference.ep import (SILU_LN2_HI, SILU_LN2_LO, SILU_LOG2E, SILU_POLY, Dispatched, combine, dispatch,
                                fused_silu, silu_f32)
-from cuep.reference.quant import dequantize, quantize, swizzle_block_scales, unswizzle_block_scales
+from cuep.reference.quant import dequantize, fma_f32, quantize, swizzle_block_scales, unswizzle_block_scales
 
 FORMATS = ["bf16", "fp8", "nvfp4", "mxfp4"]
 H = 256
@@ -397,9 +398,37 @@ SILU_SPECIAL = np.array([0.0, -0.0, 1.0, -1.0, 0.5, -0.5, 17.0, -17.0, 20.0, -20
                          3e38, -3e38, np.finfo(np.float32).max, -np.finfo(np.float32).max, np.inf], np.float32)
 
 
+def _f32_rn(v: Fraction) -> np.float32:
+    """An exact rational rounded once to float32 (nearest, ties to even), flushed; overflow gives +-Inf."""
+    if v == 0:
+        return np.float32(0.0)
+    sign, v = (-1 if v < 0 else 1), abs(v)
+    e = v.numerator.bit_length() - v.denominator.bit_length()
+    while Fraction(2) ** e > v:
+        e -= 1
+    while Fraction(2) ** (e + 1) <= v:
+        e += 1
+    if e < -126:  # FTZ: below the normal range (the rounding could reach 2**-126 only from within half an ulp)
+        q = v / Fraction(2) ** -149
+        return np.float32(sign * 0.0) if q < 2**23 - Fraction(1, 2) else np.float32(sign * 2.0**-126)
+    ulp = Fraction(2) ** (e - 23)
+    q = v / ulp
+    m = q.numerator // q.denominator
+    rem = q - m
+    if rem > Fraction(1, 2) or (rem == Fraction(1, 2) and m % 2):
+        m += 1
+    out = sign * m * ulp
+    return np.float32(sign * np.inf) if abs(out) > Fraction(float(np.finfo(np.float32).max)) else np.float32(out)
+
+
+def _fma_scalar(a, b, c) -> np.float32:
+    """fma of float32 scalars from exact rationals (finite, normal operands)."""
+    return _f32_rn(Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c)))
+
+
 def _silu_scalar(g: np.float32) -> np.float32:
-    """The contract's silu written out one np.float32 scalar operation at a time (no arrays, no helpers but a scalar
-    flush), to check that silu_f32 is exactly that sequence of float32 operations."""
+    """The contract's silu written out one float32 scalar operation at a time, FMAs from exact rationals (no
+    arrays, no helpers of the package), to check that silu_f32 is exactly that sequence of operations."""
     tiny = np.float32(2.0**-126)
 
     def f(a):  # FTZ of one float32 scalar
@@ -407,15 +436,40 @@ def _silu_scalar(g: np.float32) -> np.float32:
         return np.float32(np.copysign(np.float32(0.0), a)) if abs(a) < tiny else a
 
     g = f(g)
-    x = f(min(max(f(-g), np.float32(-87.0)), np.float32(89.0)))
-    n = np.float32(np.rint(f(x * SILU_LOG2E)))
-    r = f(f(x - f(n * SILU_LN2_HI)) - f(n * SILU_LN2_LO))
+    x = np.float32(max(-abs(g), np.float32(-88.0))) if not np.isnan(g) else np.float32(-88.0)
+    rint = np.float32(1.5 * 2**23)
+    n = np.float32(_fma_scalar(x, SILU_LOG2E, rint) - rint)
+    r = _fma_scalar(n, -SILU_LN2_LO, _fma_scalar(n, -SILU_LN2_HI, x)) if n != 0 else x
     p = SILU_POLY[0]
     for c in SILU_POLY[1:]:
-        p = f(f(p * r) + c)
-    scale = np.float32(np.ldexp(np.float32(1.0), int(n))) if n < 128 else np.float32(np.inf)
-    e = f(p * scale)
-    return f(g / f(np.float32(1.0) + e))
+        p = _fma_scalar(p, r, c) if r != 0 else c
+    e = f(p * np.float32(np.ldexp(np.float32(1.0), int(n)))) if n > -127 else np.float32(0.0)
+    s = f(np.float32(1.0) / f(np.float32(1.0) + e))
+    num = f(g * e) if g < 0 else g
+    return f(num * s)
+
+
+def test_fma_f32_is_exact(rng):
+    """fma_f32 equals the exactly computed a * b + c rounded once, including cases where naive float64 rounds
+    twice (a * b on a float32 midpoint, c far below it) and cancellation (c close to -a * b)."""
+    n = 400
+    a = (rng.standard_normal(n) * 4).astype(np.float32)
+    b = (rng.standard_normal(n) * 4).astype(np.float32)
+    c_near = (-(a.astype(np.float64) * b)).astype(np.float32)
+    cases = [(a, b, (rng.standard_normal(n) * 8).astype(np.float32)), (a, b, c_near),
+             (a, b, (c_near * (1 + rng.standard_normal(n).astype(np.float32) * np.float32(1e-6))).astype(np.float32))]
+    for x, y, z in cases:
+        got = fma_f32(x, y, z)
+        want = np.array([_fma_scalar(x[i], y[i], z[i]) for i in range(n)], np.float32)
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    m = np.float32(1 + 2**-12)  # m * m = 1 + 2**-11 + 2**-24: a float32 midpoint
+    t = np.float32(2.0**-80)
+    assert fma_f32(m, m, t)[0] == np.float32(1 + 2**-11 + 2**-23)  # naive float64 gives 1 + 2**-11
+    assert fma_f32(m, m, -t)[0] == np.float32(1 + 2**-11)
+    with np.errstate(all="ignore"):
+        sp = fma_f32(np.array([np.inf, 1e-40, 1.0, -0.0], np.float32), np.array([0.0, 1e10, -1e-40, 1.0], np.float32),
+                     np.array([1.0, 0.0, -0.0, -0.0], np.float32))
+    assert np.isnan(sp[0]) and sp[1] == 0 and sp[2] == 0 and np.signbit(sp[2]) and np.signbit(sp[3])
 
 
 def test_silu_f32_is_the_contract_sequence(rng):
@@ -428,25 +482,28 @@ def test_silu_f32_is_the_contract_sequence(rng):
 
 
 def test_silu_f32_accuracy(rng):
-    """Within 2.5 float32 ulp (the contract says so: 2.47 at worst over all float32) of float64 silu where that exceeds
-    2**-120 in magnitude; below that (g below about -87.7), within 2**-120 absolute and of the right sign."""
+    """Within 3.4 float32 ulp (the contract's bound) of float64 silu where that exceeds 2**-118 in magnitude; below
+    that (g below about -87.2), within 2**-119 absolute and of the right sign."""
     g = np.concatenate([rng.uniform(-100, 100, 1_000_000), rng.uniform(-2, 2, 200_000),
-                        rng.standard_normal(200_000) * 8, SILU_SPECIAL[np.isfinite(SILU_SPECIAL)]]).astype(np.float32)
+                        rng.standard_normal(200_000) * 8, np.linspace(-90, -85, 100_001),
+                        SILU_SPECIAL[np.isfinite(SILU_SPECIAL)]]).astype(np.float32)
     sv = silu_f32(g).astype(np.float64)
     g64 = g.astype(np.float64)
     with np.errstate(over="ignore"):
         exact = g64 / (1.0 + np.exp(-g64))
         ulp = np.maximum(np.spacing(np.abs(exact.astype(np.float32))).astype(np.float64), 2.0**-149)
-    small = np.abs(exact) <= 2.0**-120
+    small = np.abs(exact) <= 2.0**-118
     err = np.abs(sv - exact) / ulp
-    assert err[~small].max() <= 2.5, f"max error {err[~small].max():.3f} ulp at g={g[~small][np.argmax(err[~small])]}"
-    assert np.all(np.abs(sv[small] - exact[small]) <= 2.0**-120)
+    assert err[~small].max() <= 3.4, f"max error {err[~small].max():.3f} ulp at g={g[~small][np.argmax(err[~small])]}"
+    assert np.all(np.abs(sv[small] - exact[small]) <= 2.0**-119)
     assert np.all(np.signbit(sv) == np.signbit(exact))
-    # flushed subnormal gates, saturated ends, non-finite inputs
-    sp = silu_f32(np.array([1e-40, -1e-40, 3e38, -3e38, -88.37627, np.inf, -np.inf, np.nan], np.float32))
+    # flushed subnormal gates, saturated ends, non-finite inputs (torch's silu gives NaN for -Inf too)
+    with np.errstate(all="ignore"):
+        sp = silu_f32(np.array([1e-40, -1e-40, 3e38, -3e38, -88.37627, np.inf, -np.inf, np.nan], np.float32))
     assert sp[0] == 0 and not np.signbit(sp[0]) and sp[1] == 0 and np.signbit(sp[1])
     assert sp[2] == np.float32(3e38) and sp[3] == 0 and np.signbit(sp[3]) and sp[4] == 0 and np.signbit(sp[4])
     assert sp[5] == np.inf and np.isnan(sp[6]) and np.isnan(sp[7])
+    assert silu_f32(np.zeros((3, 4), np.float32)).shape == (3, 4)
 
 
 def test_silu_f32_validation():

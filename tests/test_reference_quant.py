@@ -487,11 +487,10 @@ def test_nvfp4_scale_is_g_times_amax_then_divided_by_6():
 
 
 def test_dequantize_flushes_subnormal_results():
-    # nvfp4: (0.5 * 2**-9) / 2**120 = 2**-130 is a subnormal -> +-0
+    # nvfp4: the smallest value, (0.5 * 2**-9) / 2**100 = 2**-110, is normal within the allowed global scales
     payload = pack_e2m1(np.array([[0x1, 0x9] + [0] * 14], U8))
-    out = dequantize(payload, np.array([[0x01]], U8), "nvfp4", 16, 2.0**120)
-    np.testing.assert_array_equal(out, 0)
-    assert not np.signbit(out[0, 0]) and np.signbit(out[0, 1])
+    out = dequantize(payload, np.array([[0x01]], U8), "nvfp4", 16, 2.0**100)
+    assert out[0, 0] == F32(2.0**-110) and out[0, 1] == F32(-(2.0**-110))
     # fp8: q * s with a subnormal product (and a subnormal s operand) -> 0
     s = np.array([[2.0**-120]], F32).view(U8)
     payload = np.zeros((1, 128), U8)
@@ -719,9 +718,11 @@ def test_quantize_errors():
         quantize(np.zeros((2, 48), F32), "mxfp4")
     with pytest.raises(ValueError, match=r"x\.shape\[1\]"):
         quantize(np.zeros((2, 12), F32), "bf16")
-    for g in (0.0, -1.0, np.inf, np.nan, 1e-300, 1e300, 1e-40, "1", None, [1.0]):
-        with pytest.raises(ValueError, match="global_scale"):
+    for g in (0.0, -1.0, np.inf, np.nan, 1e-300, 1e300, 1e-40, 2.0**-101, 2.0**101, "1", None, [1.0]):
+        with pytest.raises(ValueError, match=r"global_scale.*\[2\*\*-100, 2\*\*100\]"):
             quantize(x, "nvfp4", g)
+    for g in (2.0**-100, 2.0**100):  # the ends of the range are allowed
+        quantize(x, "nvfp4", g)
 
 
 def test_dequantize_errors():

@@ -33,6 +33,8 @@ constexpr float kFp8AmaxFloor = 1e-4f;   // fp8 amax floor: s = max(amax, floor)
 constexpr int kNvfp4Block = 16;          // values per nvfp4 (e4m3) scale
 constexpr int kMxfp4Block = 32;          // values per mxfp4 (e8m0) scale
 constexpr float kE2m1Max = 6.0f;         // largest e2m1
+constexpr float kFp8MaxRcp = 0x1.24924ap-9f;   // RN(1 / 448), for the division by 448 (div_rn_by)
+constexpr float kE2m1MaxRcp = 0x1.555556p-3f;  // RN(1 / 6)
 constexpr int kScaleTileRows = 128;      // swizzled block scales: 128 rows x 4 columns per 512-byte tile
 constexpr int kScaleTileCols = 4;
 constexpr int kScaleTileBytes = 512;
@@ -157,19 +159,19 @@ __device__ __forceinline__ float e2m1_decode(uint32_t code) {
 }
 
 // ---- silu (fused SwiGLU) ------------------------------------------------------------------------------------
-// sv = silu(g) = g / (1 + e**-g) in float32 exactly as docs/formats.md ("Fused SwiGLU") and
-// cuep.reference.ep.fused_silu compute it: every product, sum and the quotient rounded to nearest even (never an
-// FMA: __fmul_rn / __fadd_rn / __fsub_rn / __fdiv_rn), flushed (-ftz=true). Within 2.5 float32 ulp of the exact
-// silu (2.47 at worst over all float32) wherever that exceeds 2**-120 in magnitude.
-//   x = clamp(-g, -87, 89) (fminf / fmaxf: NaN gives -87)
-//   n = rint(x * log2e)              via t = (x * log2e) + 1.5 * 2**23 (exact rint, ties to even: |x * log2e| < 129)
-//   r = (x - n * ln2_hi) - n * ln2_lo
-//   p = ((((((c6 r + c5) r + c4) r + c3) r + c2) r + 1) r + 1  (Horner, each * and + rounded)
-//   e = p * 2**n, 2**n from the bits of t: (bits(t) << 23) + bits(1.0) = (n + 127) << 23, n + 127 in [1, 255]
-//       (255, i.e. x >= 88.37627: +Inf, so e = +Inf and sv = -0)
-//   sv = g / (1 + e)
-constexpr float kSiluXMin = -87.0f;                  // e**x > 0 normal below; 1 + e == 1 already from x < -17
-constexpr float kSiluXMax = 89.0f;                   // rint(89 * log2e) = 128: 2**n = +Inf
+// sv = silu(g) = g * sigmoid(g) in float32 exactly as docs/formats.md ("Fused SwiGLU") and
+// cuep.reference.ep.silu_f32 compute it: every operation rounded to nearest even and flushed (-ftz=true), the
+// FMAs rounded once (__fmaf_rn; NumPy emulates them exactly: cuep.reference.quant.fma_f32). Within 3.4 float32
+// ulp of the exact silu wherever that exceeds 2**-118 in magnitude (g above about -87.2); below, within 2**-119.
+//   x   = max(-|g|, -88)                    (NaN g: -88)
+//   t   = fma(x, log2e, 1.5 * 2**23)        n = t - 1.5 * 2**23 = rint(x * log2e) in [-127, 0], ties to even
+//   r   = fma(n, -ln2_lo, fma(n, -ln2_hi, x))
+//   p   = Horner with FMAs: c6, c5, c4, c3, c2, 1, 1  (e**r on |r| <= 0.35)
+//   e   = p * 2**n, 2**n from the bits of t: (bits(t) << 23) + bits(1.0) = (n + 127) << 23 (n = -127: +0)
+//   s   = RN(1 / (1 + e))                   (1 + e in [1, 2]: rcp_rn_normal)
+//   sv  = (g < 0 ? g * e : g) * s           (sigmoid(-|g|) = e * s)
+// About 20 instructions and no division or branch (the IEEE division alone was about 10 with its slow path).
+constexpr float kSiluXMin = -88.0f;                  // rint(-88 * log2e) = -127: 2**n = +0
 constexpr float kSiluLog2e = 0x1.715476p+0f;         // 1.44269504f
 constexpr float kSiluRint = 0x1.8p+23f;              // 1.5 * 2**23: adding it rounds to an integer
 constexpr float kSiluLn2Hi = 0x1.63p-1f;             // 0.693359375 (9 bits: n * ln2_hi exact)
@@ -180,20 +182,30 @@ constexpr float kSiluC4 = 0x1.555916p-5f;
 constexpr float kSiluC3 = 0x1.55548ap-3f;
 constexpr float kSiluC2 = 0x1.fffffcp-2f;
 
+// RN(1/d) for a normal d whose exponent is not extreme (|d| in [2**-124, 2**124]): the hardware estimate and one
+// Newton step, CUDA's own rcp.rn.f32 fast path (it takes a slow path only outside that range). tests/test_ops_gpu.py
+// checks it against __frcp_rn for every d of the ranges cuep uses.
+__device__ __forceinline__ float rcp_rn_normal(float d) {
+    float y;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(d));
+    return __fmaf_rn(y, __fmaf_rn(-d, y, 1.0f), y);
+}
+
 __device__ __forceinline__ float silu_f32(float g) {
-    const float x = fminf(fmaxf(-g, kSiluXMin), kSiluXMax);
-    const float t = __fadd_rn(__fmul_rn(x, kSiluLog2e), kSiluRint);
+    const float x = fmaxf(-fabsf(g), kSiluXMin);
+    const float t = __fmaf_rn(x, kSiluLog2e, kSiluRint);
     const float n = __fsub_rn(t, kSiluRint);
-    const float r = __fsub_rn(__fsub_rn(x, __fmul_rn(n, kSiluLn2Hi)), __fmul_rn(n, kSiluLn2Lo));
+    const float r = __fmaf_rn(n, -kSiluLn2Lo, __fmaf_rn(n, -kSiluLn2Hi, x));
     float p = kSiluC6;
-    p = __fadd_rn(__fmul_rn(p, r), kSiluC5);
-    p = __fadd_rn(__fmul_rn(p, r), kSiluC4);
-    p = __fadd_rn(__fmul_rn(p, r), kSiluC3);
-    p = __fadd_rn(__fmul_rn(p, r), kSiluC2);
-    p = __fadd_rn(__fmul_rn(p, r), 1.0f);
-    p = __fadd_rn(__fmul_rn(p, r), 1.0f);
+    p = __fmaf_rn(p, r, kSiluC5);
+    p = __fmaf_rn(p, r, kSiluC4);
+    p = __fmaf_rn(p, r, kSiluC3);
+    p = __fmaf_rn(p, r, kSiluC2);
+    p = __fmaf_rn(p, r, 1.0f);
+    p = __fmaf_rn(p, r, 1.0f);
     const float e = __fmul_rn(p, __uint_as_float((__float_as_uint(t) << 23) + 0x3F800000u));
-    return __fdiv_rn(g, __fadd_rn(1.0f, e));
+    const float s = rcp_rn_normal(__fadd_rn(1.0f, e));
+    return __fmul_rn(g < 0.0f ? __fmul_rn(g, e) : g, s);
 }
 
 // ---- swizzled (128x4 tiled) block scales ---------------------------------------------------------------
@@ -318,17 +330,22 @@ __device__ __forceinline__ QuantN<kFmt, kN> warp_quantize(const float (&v)[kN], 
     for (int i = 1; i < kN; ++i) a = fmaxf(a, fabsf(v[i]));
     const float amax = group_amax<kLanes>(a);
 
+    // The block-scale divisions are correctly rounded without a division instruction (div_rn_by with a hardware
+    // reciprocal refined to RN(1/d), rcp_rn_normal): no slow-path branch in the hot loop.
     if constexpr (kFmt == kFmtFp8) {
         // s = max(amax, 1e-4) / 448; q_i = cvt_e4m3(x_i / s), the correctly rounded quotient (div_rn_by).
-        const float s = __fdiv_rn(fmaxf(amax, kFp8AmaxFloor), kFp8Max);
-        fp8_encode(v, s, __frcp_rn(s), q.payload.w);  // RN(1/s): s is normal, in [2.2e-7, 7.6e35]
+        const float s = div_rn_by(fmaxf(amax, kFp8AmaxFloor), kFp8Max, kFp8MaxRcp);  // quotient >= 2.2e-7
+        fp8_encode(v, s, rcp_rn_normal(s), q.payload.w);  // s is normal, in [2.2e-7, 7.6e35]
         q.scale = s;
     } else if constexpr (kFmt == kFmtNvfp4) {
         // t = (g * amax) / 6; sf = cvt_e4m3(t); sfv = float(sf); sfv == 0: codes +0; else r = g / sfv,
-        // q_i = cvt_e2m1(x_i * r).
-        const float t = __fdiv_rn(__fmul_rn(global_scale, amax), kE2m1Max);
+        // q_i = cvt_e2m1(x_i * r). g * amax is clamped to 4096 first: e4m3 saturates from t = 464 on, so sf is
+        // the same, and the quotient stays finite; t below 2**-10 (where div_rn_by may be an ulp off) is code 0
+        // either way. g in [2**-100, 2**100] (checked by the API) keeps g / sfv (sfv in [2**-9, 448]) exact.
+        const float t = div_rn_by(fminf(__fmul_rn(global_scale, amax), 4096.0f), kE2m1Max, kE2m1MaxRcp);
         const uint32_t sf = e4m3_encode(t);
-        fp4_encode(v, __fdiv_rn(global_scale, e4m3_to_float(sf)), q.payload.w);
+        const float sfv = e4m3_to_float(sf);
+        fp4_encode(v, div_rn_by(global_scale, sfv, rcp_rn_normal(sfv)), q.payload.w);
         if (!(sf & 0x7Fu)) {  // sfv == 0 (sf is +0: t >= 0): the block's codes are +0
 #pragma unroll
             for (int k = 0; k < kN / 8; ++k) q.payload.w[k] = 0u;
@@ -514,6 +531,9 @@ struct TransposedScales {
     int64_t ld;
     int64_t row;
     __device__ __forceinline__ void put(int, int c, float s, bool leader, bool valid) const {
+#ifdef CUEP_AB_NO_SCALE_STORES
+        return;
+#endif
         if (leader && valid) base[c * ld + row] = s;
     }
 };
@@ -530,6 +550,9 @@ struct SwizzledScales {
         : row_base(enabled ? base + swizzled_scale_offset(scale_row, 0, k_tiles) : nullptr),
           n_cols(k_tiles * kScaleTileCols) {}
     __device__ __forceinline__ void put(int, int c, uint8_t s, bool leader, bool valid) const {
+#ifdef CUEP_AB_NO_SCALE_STORES  // measurement knob only (wrong results): the cost of the scale stores
+        return;
+#endif
         if (row_base != nullptr && leader && c < n_cols)
             row_base[(c / kScaleTileCols) * kScaleTileBytes + c % kScaleTileCols] = valid ? s : uint8_t(0);
     }
@@ -594,6 +617,46 @@ __device__ __forceinline__ void warp_span_group(const Source& src, const typenam
     }
 }
 
+// The lane layout of a span of kSteps steps (see "the row quantizer" above): raw load j = kH * g + h of a lane
+// holds values [col_l + g * kGroupSpan + h * 8, +8), col_l = col0 + lane * kN.
+template <int kFmt, int kSteps>
+struct SpanLayout {
+    static constexpr bool kPairs = kFmt != kFmtBf16 && kSteps % 2 == 0;
+    static constexpr int kN = kPairs ? 2 * kLaneValues : kLaneValues;  // values per lane per (paired) step
+    static constexpr int kH = kN / kLaneValues;                        // raw loads per lane per (paired) step
+    static constexpr int kGroups = kSteps / kH;
+    static constexpr int kGroupSpan = kWarp * kN;
+    static constexpr int kGroupBytes = int(kFmt == kFmtBf16 ? 2 * kGroupSpan
+                                                            : (FormatTraits<kFmt>::kPacked ? kGroupSpan / 2
+                                                                                           : kGroupSpan));
+    __host__ __device__ static constexpr int offset(int j) { return (j / kH) * kGroupSpan + (j % kH) * kLaneValues; }
+};
+
+// Encode and store one span from its raw loads (raw[j] as SpanLayout says; loads of lanes or groups past the row
+// may hold anything). All 32 lanes call it converged.
+template <int kFmt, int kSteps, class Source, class Sink>
+__device__ __forceinline__ void warp_encode_span(const Source& src, const typename Source::Raw (&raw)[kSteps],
+                                                 int col0, int hidden, uint8_t* __restrict__ payload_row,
+                                                 const Sink& sink, float global_scale, int lane) {
+    using L = SpanLayout<kFmt, kSteps>;
+    const int col_l = col0 + lane * L::kN;
+    uint8_t* dst = payload_row + payload_offset<kFmt>(col_l);
+    if (col0 + kSteps * kWarpSpan <= hidden) {  // warp-uniform: the whole span lies in the row (the usual case)
+#pragma unroll
+        for (int g = 0; g < L::kGroups; ++g)
+            warp_span_group<kFmt, L::kN>(src, raw + L::kH * g, dst + g * L::kGroupBytes, col_l + g * L::kGroupSpan,
+                                         true, sink, global_scale, lane);
+        return;
+    }
+#pragma unroll
+    for (int g = 0; g < L::kGroups; ++g) {
+        if (col0 + g * L::kGroupSpan >= hidden) break;  // warp-uniform
+        const int col = col_l + g * L::kGroupSpan;
+        warp_span_group<kFmt, L::kN>(src, raw + L::kH * g, dst + g * L::kGroupBytes, col, col < hidden, sink,
+                                     global_scale, lane);
+    }
+}
+
 // prefetch_next: this warp quantizes the next span of the row (col0 + kSteps * 256 ...) next: each lane asks L2
 // for its values of it now (one prefetch per 8- or 16-value group, after this span's loads; lanes past the row's
 // end ask for nothing).
@@ -601,49 +664,26 @@ template <int kFmt, int kSteps, class Source, class Sink>
 __device__ __forceinline__ void warp_quantize_span(const Source& src, int col0, int hidden,
                                                    uint8_t* __restrict__ payload_row, const Sink& sink,
                                                    float global_scale, int lane, bool prefetch_next = false) {
-    constexpr bool kPairs = kFmt != kFmtBf16 && kSteps % 2 == 0;
-    constexpr int kN = kPairs ? 2 * kLaneValues : kLaneValues;  // values per lane per (paired) step
-    constexpr int kH = kN / kLaneValues;                        // raw loads per lane per (paired) step
-    constexpr int kGroups = kSteps / kH;
-    constexpr int kGroupSpan = kWarp * kN;
-    constexpr int kGroupBytes = int(kFmt == kFmtBf16 ? 2 * kGroupSpan
-                                                     : (FormatTraits<kFmt>::kPacked ? kGroupSpan / 2 : kGroupSpan));
-    const int col_l = col0 + lane * kN;  // this lane's first value
-    uint8_t* dst = payload_row + payload_offset<kFmt>(col_l);
-    const Source lsrc = src.at(col_l);   // this lane's values: the loads below take immediate offsets
+    using L = SpanLayout<kFmt, kSteps>;
+    const int col_l = col0 + lane * L::kN;  // this lane's first value
+    const Source lsrc = src.at(col_l);      // this lane's values: the loads below take immediate offsets
     typename Source::Raw raw[kSteps];
     if (col0 + kSteps * kWarpSpan <= hidden) {  // warp-uniform: the whole span lies in the row (the usual case)
 #pragma unroll
-        for (int g = 0; g < kGroups; ++g)
-#pragma unroll
-            for (int h = 0; h < kH; ++h)
-                raw[kH * g + h] = lsrc.template load<kPairs>(g * kGroupSpan + h * kLaneValues);
+        for (int j = 0; j < kSteps; ++j) raw[j] = lsrc.template load<L::kPairs>(L::offset(j));
         if (prefetch_next) {
 #pragma unroll
-            for (int g = 0; g < kGroups; ++g) {  // only inside the row: the next span may be its short last one
-                const int next = kSteps * kWarpSpan + g * kGroupSpan;
+            for (int g = 0; g < L::kGroups; ++g) {  // only inside the row: the next span may be its short last one
+                const int next = kSteps * kWarpSpan + g * L::kGroupSpan;
                 if (col_l + next < hidden) lsrc.prefetch(next);
             }
         }
+    } else {
 #pragma unroll
-        for (int g = 0; g < kGroups; ++g)
-            warp_span_group<kFmt, kN>(src, raw + kH * g, dst + g * kGroupBytes, col_l + g * kGroupSpan, true, sink,
-                                      global_scale, lane);
-        return;
+        for (int j = 0; j < kSteps; ++j)
+            if (col_l + (j / L::kH) * L::kGroupSpan < hidden) raw[j] = lsrc.template load<L::kPairs>(L::offset(j));
     }
-#pragma unroll
-    for (int g = 0; g < kGroups; ++g)
-        if (col_l + g * kGroupSpan < hidden)
-#pragma unroll
-            for (int h = 0; h < kH; ++h)
-                raw[kH * g + h] = lsrc.template load<kPairs>(g * kGroupSpan + h * kLaneValues);
-#pragma unroll
-    for (int g = 0; g < kGroups; ++g) {
-        if (col0 + g * kGroupSpan >= hidden) break;  // warp-uniform
-        const int col = col_l + g * kGroupSpan;
-        warp_span_group<kFmt, kN>(src, raw + kH * g, dst + g * kGroupBytes, col, col < hidden, sink, global_scale,
-                                  lane);
-    }
+    warp_encode_span<kFmt, kSteps>(src, raw, col0, hidden, payload_row, sink, global_scale, lane);
 }
 
 // Convenience: a whole row (col0 = 0 .. hidden) by one warp.

@@ -87,6 +87,51 @@ extern "C" __global__ void __launch_bounds__(cuep::kOpsThreads)
     }
 }
 
+// silu_f32 and rcp_rn_normal of formats.cuh, one value per thread.
+extern "C" __global__ void __launch_bounds__(cuep::kOpsThreads)
+    selftest_silu(const float* __restrict__ v, float* __restrict__ silu, float* __restrict__ rcp, long long n) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        silu[i] = cuep::silu_f32(v[i]);
+        rcp[i] = cuep::rcp_rn_normal(v[i]);
+    }
+}
+
+// The quantizers' division-free block-scale arithmetic against IEEE division (div.rn.ftz / rcp.rn.ftz), over
+// `count` inputs from `first` (grid-stride): mismatches are counted in result[0], the first mismatching index goes
+// to result[1] (atomicMin; start it at ~0). mode 0: x = bits(first + i), fp8's s = max(x, 1e-4) / 448;
+// mode 1: x = bits(first + i), nvfp4's sf = cvt_e4m3(x / 6) (x clamped as warp_quantize does); mode 2:
+// d = bits(first + i), RN(1 / d); mode 3: g = gs[i / 126], sfv = e4m3 code 1 + i % 126: g / sfv.
+extern "C" __global__ void __launch_bounds__(cuep::kOpsThreads)
+    selftest_scale_divisions(int mode, unsigned long long first, unsigned long long count,
+                             const float* __restrict__ gs, unsigned long long* result) {
+    unsigned long long bad = 0;
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < count;
+         i += (unsigned long long)gridDim.x * blockDim.x) {
+        const float x = __uint_as_float(uint32_t(first + i));
+        bool same;
+        if (mode == 0) {
+            const float a = fmaxf(x, cuep::kFp8AmaxFloor);
+            same = __float_as_uint(cuep::div_rn_by(a, cuep::kFp8Max, cuep::kFp8MaxRcp)) ==
+                   __float_as_uint(__fdiv_rn(a, cuep::kFp8Max));
+        } else if (mode == 1) {
+            same = cuep::e4m3_encode(cuep::div_rn_by(fminf(x, 4096.0f), cuep::kE2m1Max, cuep::kE2m1MaxRcp)) ==
+                   cuep::e4m3_encode(__fdiv_rn(x, cuep::kE2m1Max));
+        } else if (mode == 2) {
+            same = __float_as_uint(cuep::rcp_rn_normal(x)) == __float_as_uint(__frcp_rn(x));
+        } else {
+            const float g = gs[i / 126], sfv = cuep::e4m3_to_float(uint32_t(1 + i % 126));
+            same = __float_as_uint(cuep::div_rn_by(g, sfv, cuep::rcp_rn_normal(sfv))) ==
+                   __float_as_uint(__fdiv_rn(g, sfv));
+        }
+        if (!same) {
+            ++bad;
+            atomicMin(result + 1, i);
+        }
+    }
+    if (bad) atomicAdd(result, bad);
+}
+
 // codes 0..255: e4m3 decode; codes & 15: e2m1 decode; out[2i], out[2i + 1]. Launch >= 256 threads.
 extern "C" __global__ void __launch_bounds__(cuep::kOpsThreads) selftest_decode(float* __restrict__ out) {
     const int i = int(blockIdx.x * blockDim.x + threadIdx.x);

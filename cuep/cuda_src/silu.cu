@@ -1,7 +1,8 @@
 // Fused SwiGLU (cuep.ops.fused_silu): y = silu(gate) * up of the rows below row_offsets[G], written as bf16 or
 // quantized for the down-projection GEMM. Bit-exact to cuep.reference.fused_silu (docs/formats.md): silu is the
-// float32 algorithm of formats.cuh (silu_f32: range reduction, a degree-6 polynomial, 2**n from bits, one IEEE
-// division); y = sv * up, a float32 multiply (FTZ); then bf16(y) or the quantizer of formats.cuh with I = H.
+// float32 algorithm of formats.cuh (silu_f32: range reduction, a degree-6 polynomial with FMAs, 2**n from bits, a
+// correctly rounded reciprocal of 1 + e**-|g|); y = sv * up, a float32 multiply (FTZ); then bf16(y) or the quantizer
+// of formats.cuh with I = H.
 //
 // h [capacity, 2I] (bf16 or float32): gate half then up half per row, or interleaved gate/up element by element.
 // The row count is read ON THE DEVICE from row_offsets[G] (no host sync): rows at or past it are neither read nor
@@ -15,14 +16,42 @@
 
 namespace cuep {
 
-// Four resident blocks (32 warps) per SM: at most 64 registers per thread.
+// Two resident blocks (16 warps) per SM: up to 128 registers per thread, so the compiler keeps many independent
+// values of the long silu + quantize chain in flight (measured best with the 2-stage ring: docs/PERF-NOTES.md).
 #ifndef CUEP_SILU_MIN_BLOCKS
-#define CUEP_SILU_MIN_BLOCKS 4
+#define CUEP_SILU_MIN_BLOCKS 2
 #endif
 constexpr int kSiluMinBlocks = CUEP_SILU_MIN_BLOCKS;
 
+// The row loads go through a shared-memory ring (cp.async): each warp keeps the loads of its next
+// kSiluStages - 1 spans in flight while it computes the current one, without holding registers for them (with
+// register loads the compiler interleaves loads and arithmetic to fit 64 registers, and the warps stall on memory
+// about half of the time). A stage is one span of gate and up: 2 x 512 bf16 or 2 x 256 float32 = 2 KiB per warp.
+// cuep/ops.py sizes the dynamic shared memory from the same two numbers (_SILU_STAGES, _SILU_STAGE_BYTES).
+#ifndef CUEP_SILU_STAGES
+#define CUEP_SILU_STAGES 2
+#endif
+constexpr int kSiluStages = CUEP_SILU_STAGES;
+constexpr int kSiluStageBytes = 2048;
+
+// 16 bytes global -> shared, asynchronously (L2 only).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(
+                     smem))),
+                 "l"(gmem)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory"); }
+__device__ __forceinline__ unsigned dynamic_smem_bytes() {
+    unsigned n;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
+    return n;
+}
+
 // silu(gate) * up for one value. gate and up are not flushed first: every operation that reads them (max.ftz,
-// div.rn.ftz, mul.rn.ftz) flushes a subnormal operand to zero of the same sign, which is the contract's
+// setp.ftz, mul.rn.ftz) flushes a subnormal operand to zero of the same sign, which is the contract's
 // "flushed first".
 __device__ __forceinline__ float swiglu(float gate, float up) { return __fmul_rn(silu_f32(gate), up); }
 
@@ -57,6 +86,27 @@ struct SwigluSource {
         else
             return Raw{load8<T, kL1>(gate + col), load8<T, kL1>(up + col)};
     }
+    // The span of values [col0, col0 + n) of the row as contiguous byte ranges (halves: gate then up, each
+    // n values; interleaved: 2n values), copied into a stage buffer back to back; `stage_raw` reads a lane's raw
+    // load of value col (as load(col)) from that buffer.
+    static constexpr int kRanges = kInterleaved ? 1 : 2;
+    __device__ __forceinline__ const uint8_t* range(int col0, int r) const {
+        return reinterpret_cast<const uint8_t*>(kInterleaved ? gate + 2 * col0 : (r == 0 ? gate : up) + col0);
+    }
+    __host__ __device__ static constexpr int range_bytes(int n) { return (kInterleaved ? 2 : 1) * n * int(sizeof(T)); }
+    template <int kSpanValues>
+    __device__ __forceinline__ static Raw stage_raw(const uint8_t* stage, int rel_col) {
+        const uint4* a = reinterpret_cast<const uint4*>(stage + (kInterleaved ? 2 : 1) * rel_col * int(sizeof(T)));
+        const uint4* b = kInterleaved ? a + Raw8<T>::kWords
+                                      : reinterpret_cast<const uint4*>(stage + (kSpanValues + rel_col) * int(sizeof(T)));
+        Raw r;
+#pragma unroll
+        for (int i = 0; i < Raw8<T>::kWords; ++i) {
+            r.a.w[i] = a[i];
+            r.b.w[i] = b[i];
+        }
+        return r;
+    }
     __device__ __forceinline__ void values(const Raw& r, float (&y)[kLaneValues]) const {
         float a[kLaneValues], b[kLaneValues];
         values8<false>(r.a, a);  // flushed by the arithmetic (swiglu)
@@ -70,6 +120,23 @@ struct SwigluSource {
                 y[i] = swiglu(a[i], b[i]);
             }
         }
+    }
+};
+
+// The scales of one (row set, span) item, collected in the warp's shared-memory staging (see fused_silu_rows):
+// fp8 float [kSpanBlocks][8] (block column in the span, member); fp4 uint8 [8][kSpanBlocks].
+template <int kFmt, int kSpanBlocks>
+struct StagedScales {
+    uint8_t* staging;
+    int member;
+    int c0;  // the span's first block column
+    template <class S>
+    __device__ __forceinline__ void put(int, int c, S s, bool leader, bool valid) const {
+        if (!leader || !valid) return;
+        if constexpr (kFmt == kFmtFp8)
+            reinterpret_cast<float*>(staging)[(c - c0) * 8 + member] = s;
+        else
+            staging[member * kSpanBlocks + (c - c0)] = uint8_t(s);
     }
 };
 
@@ -87,52 +154,200 @@ __device__ __forceinline__ void fused_silu_rows(const T* __restrict__ h, const i
     const int spans = (inter + kSpan - 1) / kSpan;
     const int64_t out_row_bytes = payload_offset<kFmt>(inter);
 
+    static_assert(2 * kSpan * int(sizeof(T)) == kSiluStageBytes, "a stage holds one span of gate and up");
+    // Dynamic shared memory: the ring (kSiluStages stages per warp), then (fp4) the groups' row offsets.
+    extern __shared__ uint4 smem[];
+    constexpr int kRingBytes = kSiluStages * kSiluStageBytes * (kOpsThreads / kWarp);
+    uint8_t* const ring = reinterpret_cast<uint8_t*>(smem) + int(threadIdx.x / kWarp) * kSiluStages * kSiluStageBytes;
+
     SwizzleGroups sg{};
     int k_tiles = 0;
     int64_t rows;
     if constexpr (kSwizzled) {
-        extern __shared__ int smem[];
         __shared__ int scratch[kWarp];
-        sg.row_offsets = smem;
-        sg.tile_start = smem + n_groups + 1;
+        sg.row_offsets = reinterpret_cast<int*>(reinterpret_cast<uint8_t*>(smem) + kRingBytes);
+        sg.tile_start = sg.row_offsets + n_groups + 1;
         load_swizzle_groups(sg, row_offsets, n_groups, capacity, scratch, scales_offsets);
         k_tiles = (inter / FormatTraits<kFmt>::kBlock + kScaleTileCols - 1) / kScaleTileCols;
         rows = sg.row_offsets[n_groups];
     } else {
         rows = min(int64_t(max(row_offsets[n_groups], 0)), capacity);
     }
+    if (dynamic_smem_bytes() < unsigned(kRingBytes)) __trap();  // launched with too little shared memory
+    if (spans == 0) return;
 
-    int g = -1;  // the group of `row` (swizzled scales): rows only grow along a warp's chunk, so scan forward
-    if (spans > 0) {
-        for (ChunkWalk cw(wg, rows, spans); cw.left > 0; cw.next_row()) {
-            const int64_t row = cw.row;
+    // Work items are (row set, span). A row set is the rows whose scales share 32-byte sectors: fp8 8 consecutive
+    // rows (scales [I/128, capacity]); fp4 the rows {2p, 2p + 1} + 32j (j < 4) of a 128-row scale tile, pair p
+    // (a "set" is then tile * 16 + p, and rows past the group's end are its zero padding rows); bf16 one row.
+    // The item's scales are collected in shared memory and written as whole sectors once all its rows are done:
+    // single small scale stores into sectors other warps also write cost about 20% of the kernel's time.
+    constexpr int kSetRows = kFmt == kFmtBf16 ? 1 : 8;
+    constexpr int kSpanBlocks = kFmt == kFmtBf16 ? 1 : kSpan / FormatTraits<kFmt>::kBlock;  // scales per row
+    const int64_t n_sets = kFmt == kFmtBf16 ? rows
+                           : kFmt == kFmtFp8 ? (rows + kSetRows - 1) / kSetRows
+                                             : int64_t(sg.tile_start[n_groups]) * 16;
+    // A cursor over the (row, span) pieces of the warp's items, in order; k = member of the row set.
+    struct Cursor {
+        int64_t left;  // items left, the current one included
+        int64_t set;
+        int span;
+        int k;
+        int64_t base;    // row of member 0 (fp4: the pair's first row)
+        uint32_t valid;  // members that are rows
+        int g;           // fp4: the group of the set's tile (scanned forward)
+        __device__ int64_t row() const { return base + (kSwizzled ? (k & 1) + 32 * (k >> 1) : k); }
+    };
+    auto load_set = [&](Cursor& c) {
+        if constexpr (kFmt == kFmtBf16) {
+            c.base = c.set;
+            c.valid = 1u;
+        } else if constexpr (kFmt == kFmtFp8) {
+            c.base = c.set * kSetRows;
+            const int64_t n = rows - c.base;
+            c.valid = n >= kSetRows ? 0xFFu : (1u << n) - 1u;
+        } else {
+            const int tile = int(c.set >> 4), pair = int(c.set & 15);
+            if (c.g < 0) {  // the last group whose first tile is <= tile owns it (empty groups come before it)
+                int lo = 0, hi = n_groups - 1;
+                while (lo < hi) {
+                    const int mid = (lo + hi + 1) >> 1;
+                    if (sg.tile_start[mid] <= tile) lo = mid; else hi = mid - 1;
+                }
+                c.g = lo;
+            }
+            while (c.g + 1 < n_groups && sg.tile_start[c.g + 1] <= tile) ++c.g;
+            const int local = (tile - sg.tile_start[c.g]) * kScaleTileRows + 2 * pair;
+            const int n = sg.rows_of(c.g);
+            c.base = sg.row_offsets[c.g] + local;
+            c.valid = 0u;
+#pragma unroll
+            for (int k = 0; k < kSetRows; ++k)
+                if (local + (k & 1) + 32 * (k >> 1) < n) c.valid |= 1u << k;
+        }
+    };
+    auto first_piece = [&](Cursor& c) {  // the first valid member from k on, or k = kSetRows
+        const uint32_t m = c.valid >> c.k;
+        c.k = m ? c.k + __ffs(int(m)) - 1 : kSetRows;
+    };
+    auto next_item = [&](Cursor& c) {
+        --c.left;
+        c.k = 0;
+        if (++c.span == spans) {
+            c.span = 0;
+            ++c.set;
+            if (c.left > 0) load_set(c);
+        }
+    };
+    auto next_piece = [&](Cursor& c) {  // to the next valid (item, member), across items without pieces
+        ++c.k;
+        first_piece(c);
+        while (c.k == kSetRows && c.left > 0) {
+            next_item(c);
+            if (c.left > 0) first_piece(c);
+        }
+    };
+
+    const ChunkWalk cw(wg, n_sets, spans);
+    Cursor issue_at{cw.left, cw.row, cw.span, 0, 0, 0u, -1};
+    if (issue_at.left > 0) {
+        load_set(issue_at);
+        first_piece(issue_at);
+        while (issue_at.k == kSetRows && issue_at.left > 0) {
+            next_item(issue_at);
+            if (issue_at.left > 0) first_piece(issue_at);
+        }
+    }
+    Cursor at{cw.left, cw.row, cw.span, 0, 0, 0u, -1};  // the compute cursor: every item, also those without pieces
+    if (at.left > 0) load_set(at);
+
+    // The loads of piece `issue_at` into its stage (coalesced 16-byte copies; the pieces of a row past its end
+    // are not copied).
+    int istage = 0, cstage = 0;
+    auto issue = [&]() {
+        if (issue_at.left <= 0) return;
+        const T* hrow = h + issue_at.row() * 2 * int64_t(inter);
+        const Src src{hrow, hrow + inter};
+        const int col0 = issue_at.span * kSpan;
+        const int bytes = Src::range_bytes(min(kSpan, inter - col0));
+        uint8_t* stage = ring + istage * kSiluStageBytes;
+#pragma unroll
+        for (int r = 0; r < Src::kRanges; ++r) {
+            const uint8_t* from = src.range(col0, r);
+            uint8_t* to = stage + r * (kSiluStageBytes / Src::kRanges);
+#pragma unroll
+            for (int p = 0; p < kSiluStageBytes / Src::kRanges / 16 / kWarp; ++p) {
+                const int off = (p * kWarp + wg.lane) * 16;
+                if (off < bytes) cp_async16(to + off, from + off);
+            }
+        }
+        if (++istage == kSiluStages) istage = 0;
+        next_piece(issue_at);
+    };
+#pragma unroll
+    for (int j = 0; j < kSiluStages - 1; ++j) {
+        issue();
+        cp_async_commit();
+    }
+
+    // This warp's scale staging: fp8 float [kSpanBlocks][8] (block column, member); fp4 uint8 [8][kSpanBlocks].
+    __shared__ uint4 staging_all[kOpsThreads / kWarp][16];
+    uint8_t* const staging = reinterpret_cast<uint8_t*>(staging_all[threadIdx.x / kWarp]);
+    using L = SpanLayout<kFmt, kSteps>;
+    const int n_cols = inter / max(FormatTraits<kFmt>::kBlock, 1);  // scale columns of a row
+
+    for (; at.left > 0; next_item(at)) {
+        if constexpr (kSwizzled) {  // padding rows and columns past the row's scales stay 0
+            reinterpret_cast<uint2*>(staging)[wg.lane] = make_uint2(0u, 0u);
+            __syncwarp();
+        }
+        for (at.k = 0, first_piece(at); at.k < kSetRows; ++at.k, first_piece(at)) {
+            __syncwarp();  // every lane is done reading the stage the next issue overwrites
+            issue();
+            cp_async_commit();
+            cp_async_wait<kSiluStages - 1>();  // this lane's copies of this piece have landed ...
+            __syncwarp();                      // ... and every other lane's
+            const uint8_t* stage = ring + cstage * kSiluStageBytes;
+            if (++cstage == kSiluStages) cstage = 0;
+            typename Src::Raw raw[kSteps];
+#pragma unroll
+            for (int j = 0; j < kSteps; ++j)
+                raw[j] = Src::template stage_raw<kSpan>(stage, wg.lane * L::kN + L::offset(j));
+            const int64_t row = at.row();
             const T* hrow = h + row * 2 * int64_t(inter);
             const Src src{hrow, hrow + inter};
             uint8_t* prow = out + row * out_row_bytes;
-            const int end = cw.end_span();
+            const int col0 = at.span * kSpan;
             if constexpr (kFmt == kFmtBf16) {
-                for (int k = cw.span; k < end; ++k)
-                    warp_quantize_span<kFmt, kSteps>(src, k * kSpan, inter, prow, NoScales{}, global_scale, wg.lane,
-                                                     kPrefetchNextSpan && k + 1 < end);
-            } else if constexpr (kFmt == kFmtFp8) {
-                const TransposedScales sink{reinterpret_cast<float*>(scales), capacity, row};
-                for (int k = cw.span; k < end; ++k)
-                    warp_quantize_span<kFmt, kSteps>(src, k * kSpan, inter, prow, sink, global_scale, wg.lane,
-                                                     kPrefetchNextSpan && k + 1 < end);
+                warp_encode_span<kFmt, kSteps>(src, raw, col0, inter, prow, NoScales{}, global_scale, wg.lane);
             } else {
-                if (g < 0) g = sg.find(int(row));
-                while (g + 1 < n_groups && sg.row_offsets[g + 1] <= row) ++g;  // = sg.find(row), valid offsets
-                const int local = int(row) - sg.row_offsets[g];
-                const int64_t scale_row = int64_t(sg.tile_start[g]) * kScaleTileRows + local;
-                const bool ok = local >= 0 && local < sg.rows_of(g) && scale_row / kScaleTileRows < max_tiles;
-                const SwizzledScales<kFmt> sink(scales, scale_row, k_tiles, ok);
-                for (int k = cw.span; k < end; ++k)
-                    warp_quantize_span<kFmt, kSteps>(src, k * kSpan, inter, prow, sink, global_scale, wg.lane,
-                                                     kPrefetchNextSpan && k + 1 < end);
+                const StagedScales<kFmt, kSpanBlocks> sink{staging, at.k, at.span * kSpanBlocks};
+                warp_encode_span<kFmt, kSteps>(src, raw, col0, inter, prow, sink, global_scale, wg.lane);
             }
         }
+        if constexpr (kFmt != kFmtBf16) {
+            __syncwarp();  // the item's scales are staged: write them as whole sectors
+            const int c0 = at.span * kSpanBlocks;
+            if constexpr (kFmt == kFmtFp8) {
+                const int cr = wg.lane / kSetRows, k = wg.lane % kSetRows;
+                if (cr < kSpanBlocks && c0 + cr < n_cols && (at.valid >> k & 1u))
+                    reinterpret_cast<float*>(scales)[(c0 + cr) * capacity + at.base + k] =
+                        reinterpret_cast<const float*>(staging)[cr * kSetRows + k];
+            } else {
+                constexpr int kSpanTiles = kSpanBlocks / kScaleTileCols;  // 128x4 tile columns per span
+                const int tile = int(at.set >> 4), pair = int(at.set & 15), k = wg.lane % kSetRows;
+#pragma unroll
+                for (int t0 = 0; t0 < kSpanTiles; t0 += kWarp / kSetRows) {
+                    const int tr = t0 + wg.lane / kSetRows, kt = at.span * kSpanTiles + tr;
+                    if (tr < kSpanTiles && kt < k_tiles && tile < max_tiles)
+                        *reinterpret_cast<uint32_t*>(scales + (int64_t(tile) * k_tiles + kt) * kScaleTileBytes +
+                                                     (2 * pair + (k & 1)) * 16 + (k >> 1) * 4) =
+                            *reinterpret_cast<const uint32_t*>(staging + k * kSpanBlocks + tr * kScaleTileCols);
+                }
+            }
+            __syncwarp();  // staging is read before the next item overwrites it
+        }
     }
-    if constexpr (kSwizzled) zero_swizzle_padding_rows(sg, scales, k_tiles, max_tiles);
+    cp_async_wait<0>();
 }
 
 }  // namespace cuep

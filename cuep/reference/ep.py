@@ -27,7 +27,7 @@ import numpy as np
 
 from ..config import EPConfig
 from ..formats import FP8_BLOCK, Format, get_format
-from .quant import ftz, quantize, swizzle_block_scales
+from .quant import fma_f32, ftz, quantize, swizzle_block_scales
 
 __all__ = ["Dispatched", "dispatch", "combine", "fused_silu"]
 
@@ -417,9 +417,9 @@ def _f32_bits(b: int) -> np.float32:
     return np.array([b], np.uint32).view(np.float32)[0]
 
 
-SILU_X_MIN = np.float32(-87.0)
-SILU_X_MAX = np.float32(89.0)
+SILU_X_MIN = np.float32(-88.0)          # rint(-88 * log2e) = -127: 2**n = +0, so e = +0
 SILU_LOG2E = _f32_bits(0x3FB8AA3B)     # 1.44269504f
+SILU_RINT = np.float32(1.5 * 2**23)    # adding it rounds to an integer
 SILU_LN2_HI = _f32_bits(0x3F318000)    # 0.693359375
 SILU_LN2_LO = _f32_bits(0xB95E8083)    # -2.12194440e-4f
 SILU_POLY = tuple(_f32_bits(b) for b in (0x3AB50D47, 0x3C091FDB, 0x3D2AAC8B, 0x3E2AAA45, 0x3EFFFFFE)) + (
@@ -427,17 +427,19 @@ SILU_POLY = tuple(_f32_bits(b) for b in (0x3AB50D47, 0x3C091FDB, 0x3D2AAC8B, 0x3
 
 
 def silu_f32(g: np.ndarray) -> np.ndarray:
-    """silu(g) = g / (1 + e**-g) in float32, bit for bit as the CUDA kernel computes it (docs/formats.md).
+    """silu(g) = g * sigmoid(g) in float32, bit for bit as the CUDA kernel computes it (docs/formats.md).
 
-    Every product, sum and the quotient is one IEEE float32 operation (NumPy float32, round to nearest even, never
-    fused), flushed (FTZ) after each as ``-ftz=true`` does; g is flushed first::
+    Every operation is one IEEE float32 operation rounded to nearest even and flushed (FTZ) as ``-ftz=true`` does;
+    ``fma`` rounds once (:func:`cuep.reference.quant.fma_f32`); g is flushed first::
 
-        x = min(max(-g, -87), 89)              (fmax / fmin: a NaN g gives x = -87)
-        n = rint(x * log2e)                    (the product rounded to float32 first; ties to even)
-        r = (x - n * ln2_hi) - n * ln2_lo
-        p = c6; p = p * r + c5; ... ; p = p * r + 1; p = p * r + 1     (each * and + rounded)
-        e = p * 2**n                           (2**n from the bits (n + 127) << 23; n = 128 gives +Inf)
-        sv = g / (1 + e)
+        x   = max(-|g|, -88)                  (x in [-88, 0]; a NaN g gives -88)
+        t   = fma(x, log2e, 1.5 * 2**23)      (n = t - 1.5 * 2**23 = rint(x * log2e), ties to even, in [-127, 0])
+        r   = fma(n, -ln2_hi, x); r = fma(n, -ln2_lo, r)
+        p   = c6; p = fma(p, r, c5); ...; p = fma(p, r, 1); p = fma(p, r, 1)
+        e   = p * 2**n                        (e = e**-|g|; 2**n from the bits (n + 127) << 23: n = -127 gives +0)
+        s   = 1 / (1 + e)                     (1 + e in [1, 2]: sigmoid(|g|))
+        num = g * e if g < 0 else g           (sigmoid(-|g|) = e * s)
+        sv  = num * s
 
     Args:
         g: float32 array, any shape.
@@ -446,17 +448,21 @@ def silu_f32(g: np.ndarray) -> np.ndarray:
     """
     if np.asarray(g).dtype != _F32:
         raise ValueError(f"g must be float32, got {np.asarray(g).dtype}")
-    g = ftz(np.ascontiguousarray(g))
-    with np.errstate(all="ignore"):  # overflow to Inf (x >= 88.38), Inf / Inf and NaN inputs
-        x = np.fmin(np.fmax(-g, SILU_X_MIN), SILU_X_MAX)
-        n = np.rint(ftz(x * SILU_LOG2E))                                  # integer in [-126, 128]
-        r = ftz(ftz(x - ftz(n * SILU_LN2_HI)) - ftz(n * SILU_LN2_LO))
+    shape = np.shape(g)
+    g = ftz(np.ascontiguousarray(g).reshape(-1))
+    with np.errstate(all="ignore"):  # -Inf * 0 and NaN inputs
+        x = np.fmax(-np.abs(g), SILU_X_MIN)
+        t = fma_f32(x, SILU_LOG2E, SILU_RINT)
+        n = t - SILU_RINT                                               # exact: an integer in [-127, 0]
+        r = fma_f32(n, -SILU_LN2_LO, fma_f32(n, -SILU_LN2_HI, x))
         p = np.full_like(r, SILU_POLY[0])
         for c in SILU_POLY[1:]:
-            p = ftz(ftz(p * r) + c)
-        scale = ((n.astype(np.int32) + 127).astype(np.uint32) << np.uint32(23)).view(_F32)
-        e = ftz(p * scale)
-        return ftz(g / ftz(np.float32(1.0) + e))
+            p = fma_f32(p, r, c)
+        pow2 = ((n.astype(np.int32) + 127).astype(np.uint32) << np.uint32(23)).view(_F32)
+        e = ftz(p * pow2)
+        s = ftz(np.float32(1.0) / ftz(np.float32(1.0) + e))
+        num = np.where(g < 0, ftz(g * e), g)
+        return ftz(num * s).reshape(shape)
 
 
 def fused_silu(h: np.ndarray, row_offsets: np.ndarray, fmt="bf16", interleaved: bool = False,

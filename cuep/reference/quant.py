@@ -24,13 +24,13 @@ import numbers
 import ml_dtypes
 import numpy as np
 
-from ..formats import (E2M1_MAX, FP8_AMAX_FLOOR, FP8_MAX, SCALE_TILE_BYTES, SCALE_TILE_COLS, SCALE_TILE_ROWS,
-                       check_hidden, get_format)
+from ..formats import (E2M1_MAX, FP8_AMAX_FLOOR, FP8_MAX, GLOBAL_SCALE_MAX, GLOBAL_SCALE_MIN, SCALE_TILE_BYTES,
+                       SCALE_TILE_COLS, SCALE_TILE_ROWS, check_hidden, get_format)
 
 __all__ = [
     "quantize", "dequantize", "swizzle_block_scales", "unswizzle_block_scales",
     "e2m1_encode", "e2m1_decode", "pack_e2m1", "unpack_e2m1", "e4m3_encode", "e4m3_decode", "ftz",
-    "fp8_scales_as_float",
+    "fma_f32", "fp8_scales_as_float",
 ]
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -49,6 +49,33 @@ def _require_f32(a, argname: str) -> np.ndarray:
     if a.dtype != _F32:
         raise ValueError(f"{argname} must be float32, got dtype {a.dtype}")
     return a
+
+
+
+def fma_f32(a, b, c) -> np.ndarray:
+    """``a * b + c`` rounded ONCE to float32 (nearest even), flushed: the CUDA ``fma.rn.ftz.f32`` / ``__fmaf_rn``.
+
+    Exact emulation in float64: the product of two float32 is exact in float64; the sum is rounded to odd in
+    float64 (the TwoSum error says whether it was exact and on which side the exact value lies), and a value
+    rounded to odd with 53 >= 24 + 2 bits rounds to float32 exactly as the exact value would. Subnormal operands
+    are flushed first and a subnormal result is flushed, as ``-ftz=true`` does.
+
+    Args:
+        a, b, c: float32 arrays (broadcast together) or float32 scalars.
+    Returns:
+        float32 array of the broadcast shape.
+    """
+    a64, b64, c64 = (ftz(np.atleast_1d(_require_f32(v, n))).astype(np.float64) for v, n in ((a, "a"), (b, "b"),
+                                                                                             (c, "c")))
+    with np.errstate(all="ignore"):  # Inf - Inf and NaN operands give NaN, as the hardware does
+        p = a64 * b64
+        s = p + c64
+        v = s - p                        # TwoSum: err = (p + c) - s exactly, when s is finite
+        err = (p - (s - v)) + (c64 - v)
+        even = (s.view(np.uint64) & np.uint64(1)) == 0
+        nudge = np.isfinite(s) & np.isfinite(err) & (err != 0) & even
+        s = np.where(nudge, np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
+        return ftz(s.astype(_F32))
 
 
 def _require_u8(a, argname: str) -> np.ndarray:
@@ -160,14 +187,14 @@ def _pow2(exponent: np.ndarray) -> np.ndarray:
 
 # ---- argument checks -------------------------------------------------------------------------------------
 def _check_global_scale(global_scale) -> np.float32:
-    """global_scale as a float32; it must be a real number whose float32 is finite, > 0 and normal."""
+    """global_scale as a float32; it must be a real number whose float32 lies in [2**-100, 2**100]."""
     ok = isinstance(global_scale, numbers.Real) and not isinstance(global_scale, bool)
     if ok:
         with np.errstate(all="ignore"):
             g = _F32(global_scale)
-        ok = bool(np.isfinite(g) and g >= np.finfo(_F32).tiny)
+        ok = bool(GLOBAL_SCALE_MIN <= g <= GLOBAL_SCALE_MAX)
     if not ok:
-        raise ValueError(f"global_scale={global_scale!r} must be a finite float > 0 (a normal float32)")
+        raise ValueError(f"global_scale={global_scale!r} must be a float in [2**-100, 2**100]")
     return g
 
 
