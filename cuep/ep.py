@@ -190,6 +190,16 @@ def _blocks(buf: Buffer, threads: int) -> int:
 _smem_set: dict[tuple[int, str], int] = {}
 
 
+_COMBINE_RING = 2                # kCombineRing in cuda_src/combine.cu (stages of the bf16 partial-sum load ring)
+_COMBINE_PIECE_BYTES = 4 * 2 * 32 * 16  # kCombinePieceBytes: 4 rows x 64 vectors of 16 bytes
+
+
+def _combine_ring_bytes() -> int:
+    """Dynamic shared memory of combine's bf16 load ring (CUEP_EXTRA_DEFINES="CUEP_COMBINE_RING=n" overrides)."""
+    stages = int(_kernels.extra_defines().get("CUEP_COMBINE_RING", _COMBINE_RING))
+    return stages * _COMBINE_PIECE_BYTES * (_THREADS // 32) if stages > 1 else 0
+
+
 def _kernel(name: str, smem: int):
     """The kernel ``file.cu:name`` for the current device, allowed ``smem`` bytes of dynamic shared memory."""
     file, fname = name.split(":")
@@ -413,13 +423,14 @@ def _combine(buf: Buffer, expert_out, dispatched, topk_weights, residual, phases
     for i, ph in _launch_order(buf, phases):
         r, d = buf._ranks[i], ds[i]
         with cupy.cuda.Device(r.device):
-            fn = _kernels.function("combine.cu", f"cuep_combine_{suffix}")
+            smem = _combine_ring_bytes() if (ph & PHASE_SEND and suffix == "bf16" and modes[i] == MODE_PARTIAL) else 0
+            fn = _kernel(f"combine.cu:cuep_combine_{suffix}", smem)
             _before_launch(buf, "combine.cu")
             args = (r.params, eos[i], r.src_info, r.row_src, r.row_weight, r.msg_rows, r.msg_token, r.msg_j,
                     r.msg_count, r.row_offsets, d._topk_ids, ws[i] if ws[i] is not None else _NULL,
                     res[i] if res[i] is not None else _NULL, outs[i], np.int32(d.num_tokens), np.int32(modes[i]),
                     np.int32(ph))
-            fn((_blocks(buf, _THREADS),), (_THREADS,), args)
+            fn((_blocks(buf, _THREADS),), (_THREADS,), args, shared_mem=smem)
     return outs
 
 

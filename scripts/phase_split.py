@@ -56,6 +56,11 @@ def main():
     d = cuep.dispatch(buf, xs, ids, ws)
     rows += [
         ("combine fused", timeit(lambda: cuep.combine(buf, eo, d))),
+        ("combine send half only", timeit(lambda: cuep.combine_async(buf, eo, d))),
+    ]
+    buf.reset()
+    d = cuep.dispatch(buf, xs, ids, ws)
+    rows += [
         ("combine send half + wait", timeit(lambda: (cuep.combine_async(buf, eo, d), cuep.combine_wait(buf, eo, d)))),
     ]
     for name, us in rows:

@@ -1,17 +1,23 @@
 """The notebooks without a GPU: valid nbformat-4 JSON whose stored outputs hold no error, valid Python, public API only; the formats
-notebook (which falls back to cuep.reference on the CPU) runs end to end through scripts/run_notebooks.py.
+notebook (which falls back to cuep.reference on the CPU) and the benchmarks notebook (which skips its live run and
+shows the committed reference results) run end to end through scripts/run_notebooks.py.
 """
 from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
 
 import cuep
+import cuep.bench
+import cuep.bench.__main__
+import cuep.bench.report
 import cuep.moe
 import cuep.ops
 import cuep.reference
@@ -19,11 +25,22 @@ import cuep.reference
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 RUNNER = REPO / "scripts" / "run_notebooks.py"
-PUBLIC_MODULES = {"ops": cuep.ops, "reference": cuep.reference, "moe": cuep.moe}
+# cuep's public modules besides cuep itself, by their path under cuep. Of cuep.bench only the command line
+# (__main__: make_plan, describe_plan, run, print_report, write_outputs, ...) and report (tables, JSON, plots) are
+# public; its measuring internals (cases, timing, nccl, ceilings, traffic, kernels) are not.
+PUBLIC_MODULES = {"ops": cuep.ops, "reference": cuep.reference, "moe": cuep.moe, "bench": cuep.bench,
+                  "bench.__main__": cuep.bench.__main__, "bench.report": cuep.bench.report}
 
 
 def public_names(module) -> set[str]:
-    return set(getattr(module, "__all__", None) or [n for n in dir(module) if not n.startswith("_")])
+    """``__all__``, else the names without a leading underscore that are not modules (a package's submodules are
+    public only if PUBLIC_MODULES lists them)."""
+    return set(getattr(module, "__all__", None) or [n for n in dir(module) if not n.startswith("_")
+                                                    and not isinstance(getattr(module, n), types.ModuleType)])
+
+
+def _public_module(path: tuple[str, ...]) -> bool:
+    return len(path) > 1 and path[0] == "cuep" and ".".join(path[1:]) in PUBLIC_MODULES
 
 
 def _source(cell) -> str:
@@ -41,28 +58,28 @@ def _module_path(module: str) -> tuple[str, ...] | None:
     parts = tuple(module.split("."))
     if parts[0] != "cuep":
         return None
-    if len(parts) == 1 or (len(parts) == 2 and parts[1] in PUBLIC_MODULES):
+    if len(parts) == 1 or _public_module(parts):
         return parts
     return ("bad",)
 
 
 def api_violations(source: str) -> list[str]:
     """Every use of cuep in ``source`` that is not public: ``cuep.<name>`` outside ``cuep.__all__`` and the modules
-    ops / reference / moe, a name of those modules outside their ``__all__``, a private submodule import, or any
-    ``._private`` attribute access."""
+    of PUBLIC_MODULES (ops / reference / moe, cuep.bench's command line and report), a name of those modules that
+    is not public, a private submodule import, or any ``._private`` attribute access."""
     tree = ast.parse(source)
     aliases: dict[str, tuple[str, ...]] = {}
     bad: list[str] = []
 
     def check_name(path: tuple[str, ...], name: str, where: str) -> tuple[str, ...] | None:
         """``name`` looked up in the cuep module ``path``; returns its module path if it is a public module."""
+        if _public_module(path + (name,)):
+            return path + (name,)
         if path == ("cuep",):
-            if name in PUBLIC_MODULES:
-                return ("cuep", name)
             if name not in cuep.__all__:
                 bad.append(f"{where}: cuep.{name} is not in cuep.__all__")
-        elif name not in public_names(PUBLIC_MODULES[path[1]]):
-            bad.append(f"{where}: cuep.{path[1]}.{name} is not public")
+        elif name not in public_names(PUBLIC_MODULES[".".join(path[1:])]):
+            bad.append(f"{where}: {'.'.join(path)}.{name} is not public")
         return None
 
     for node in ast.walk(tree):  # imports first: they define the aliases the attribute check resolves
@@ -89,8 +106,8 @@ def api_violations(source: str) -> list[str]:
             return aliases.get(expr.id)
         if isinstance(expr, ast.Attribute):
             base = resolve(expr.value)
-            if base == ("cuep",) and expr.attr in PUBLIC_MODULES:
-                return ("cuep", expr.attr)
+            if base is not None and _public_module(base + (expr.attr,)):
+                return base + (expr.attr,)
         return None
 
     for node in ast.walk(tree):
@@ -118,14 +135,23 @@ def api_violations(source: str) -> list[str]:
     ("from cuep.moe import _mlp_f32", 1),
     ("from cuep import reference as ref\nref.fp8_scales_as_float(x)", 1),
     ("buf._ranks[0].tokens", 1),
+    ("from cuep.bench import __main__ as cli, report\ncli.make_plan; cli.run; cli.OPS; report.table", 0),
+    ("import cuep.bench.report\ncuep.bench.report.plot_sweep; cuep.bench.__main__.describe_plan", 0),
+    ("from cuep.bench.__main__ import make_plan, run", 0),
+    ("from cuep.bench import cases", 1),
+    ("import cuep.bench.timing", 1),
+    ("import cuep.bench\ncuep.bench.nccl.NcclComms", 1),
+    ("from cuep.bench import report\nreport.json.dumps", 1),
+    ("from cuep.bench import __main__ as cli\ncli._progress", 1),
 ])
 def test_api_check_catches_private_uses(source, n_bad):
     assert len(api_violations(source)) == n_bad, api_violations(source)
 
 
 # ---- the notebooks --------------------------------------------------------------------------------------------------
-def test_the_three_notebooks_exist():
-    assert [p.name for p in NOTEBOOKS] == ["01_quickstart.ipynb", "02_formats.ipynb", "03_moe_layer.ipynb"]
+def test_the_four_notebooks_exist():
+    assert [p.name for p in NOTEBOOKS] == ["01_quickstart.ipynb", "02_formats.ipynb", "03_moe_layer.ipynb",
+                                           "04_benchmarks.ipynb"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
@@ -177,6 +203,23 @@ def test_formats_notebook_runs_on_the_cpu(tmp_path):
     for fmt in cuep.FORMATS:
         assert fmt in text
     assert "rel. RMS error" in text
+
+
+def test_benchmarks_notebook_runs_on_the_cpu(tmp_path):
+    """04_benchmarks with no GPU visible: says so, skips the live run, prints (and, with matplotlib, plots) the
+    committed 2 x H200 reference results."""
+    path = REPO / "notebooks" / "04_benchmarks.ipynb"
+    res = _run([path, "--out-dir", tmp_path], env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert res.returncode == 0, res.stdout + res.stderr
+    nb = json.loads((tmp_path / path.name).read_text())
+    outputs = [o for c in nb["cells"] if c["cell_type"] == "code" for o in c["outputs"]]
+    assert not [o for o in outputs if o["output_type"] == "error"]
+    text = "".join("".join(o.get("text", [])) for o in outputs)
+    assert "the live run needs two or more" in text
+    assert "2 x NVIDIA H200" in text and "peer copy GB/s" in text
+    for column in ("cuep us", "NCCL us", "x NCCL", "of peer"):
+        assert column in text
+    assert "4096 prefill" in text and "128 decode" in text
 
 
 def test_runner_records_outputs_and_stops_at_the_first_error(tmp_path):

@@ -102,6 +102,11 @@ def test_formats_cuh_constants_match_python():
     assert int(c["kScaleTileBytes"]) == formats.SCALE_TILE_BYTES
     assert int(c["kOpsThreads"]) == ops._THREADS
     assert int(c["kMaxGroups"]) == ops._MAX_GROUPS
+    comb = (_kernels.SRC_DIR / "combine.cu").read_text()
+    from cuep import ep as ep_mod
+    assert re.search(rf"#define CUEP_COMBINE_RING {ep_mod._COMBINE_RING}\n", comb)
+    assert eval(_cuh_constants("combine.cu")["kCombinePieceBytes"]) == ep_mod._COMBINE_PIECE_BYTES
+    assert ep_mod._THREADS == int(_cuh_constants("combine.cu")["kCombineThreads"])
     silu = _cuh_constants("silu.cu")
     assert int(silu["kSiluStageBytes"]) == ops._SILU_STAGE_BYTES
     assert re.search(rf"#define CUEP_SILU_STAGES {ops._SILU_STAGES}\n", (_kernels.SRC_DIR / "silu.cu").read_text())

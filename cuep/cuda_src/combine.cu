@@ -16,11 +16,39 @@
 using namespace cuep;
 
 constexpr int kCombineThreads = 512;
+// bf16 partial sums read the expert rows through a per-warp cp.async ring of kCombineRing stages (a stage: 4 rows x
+// 64 vectors = 4 KiB), so each warp keeps the rows of its next pieces in flight while it sums the current one;
+// cuep/ep.py gives the launch kCombineRing x 4 KiB x 16 warps of dynamic shared memory (_COMBINE_RING; 0: the
+// register loads). Without that much shared memory the kernel uses the register loads.
+#ifndef CUEP_COMBINE_RING
+#define CUEP_COMBINE_RING 2
+#endif
+constexpr int kCombineRing = CUEP_COMBINE_RING;
+constexpr int kCombinePieceBytes = 4 * 2 * 32 * 16;
+constexpr int kCombineRingBytes = kCombineRing * kCombinePieceBytes * (kCombineThreads / 32);
 // Work items are (message or token, chunk of the row); chunk_units() sizes the chunks so that even a small decode
 // batch spreads over every SM while a large one keeps whole rows per warp.
 enum CombineMode : int { kPartial = 0, kWeighted = 1, kUnreduced = 2 };
 
 namespace {
+
+// Bulk (TMA) stores of a warp's partial sums: the warp writes a slice into its shared-memory buffer and one lane
+// hands it to the copy engine, so a warp never waits for the NVLink write before it loads the next rows (with
+// plain stores the loads and the NVLink writes of the send half did not overlap: 333 us send half on 2 x H200
+// against 205 us without the loads and 248 us without the remote writes).
+__device__ __forceinline__ void bulk_store(void* gdst, const void* ssrc, int bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(gdst),
+                 "r"(static_cast<unsigned>(__cvta_generic_to_shared(ssrc))), "r"(bytes)
+                 : "memory");
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_done() {
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+// Generic shared-memory writes before the copy engine reads them.
+__device__ __forceinline__ void fence_shared_for_bulk() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
 struct CombineArgs {
     const void* expert_out;     // [capacity, H] combine dtype: row i is the expert output of dispatched row i
@@ -75,6 +103,143 @@ __device__ void phase_notify(const EP& ep, int round) {
     }
 }
 
+// The bf16 partial sums of phase_send through the cp.async ring: a warp's work is a sequence of pieces
+// (item = (message, chunk); for each 64-vector slice of the chunk, the message's rows 4 at a time); the issue
+// cursor runs kCombineRing - 1 pieces ahead of the compute cursor. Each lane copies and reads back only its own
+// two vectors of each row (no warp sync). Slices go out with bulk stores (bulk_store), as in the register path.
+template <typename TC>
+__device__ void send_partials_ring(const EP& ep, const CombineArgs& a, const int* s_start, int n_src, int kChunkVecs,
+                                   int n_chunks, int warp0, int warp_stride, TC* stage) {
+    const int K = static_cast<int>(ep[P_TOP_K]), H = static_cast<int>(ep[P_HIDDEN]);
+    const int rank = static_cast<int>(ep[P_RANK]);
+    const long long T_max = ep[P_MAX_TOKENS];
+    const int n_vec = H / 8, lane = threadIdx.x % kWarp;
+    const int total = s_start[n_src] * n_chunks;
+    const TC* eo = static_cast<const TC*>(a.expert_out);
+    extern __shared__ uint4 dyn_smem[];
+    uint4* const ring = dyn_smem + (threadIdx.x / kWarp) * (kCombineRing * kCombinePieceBytes / 16);
+
+    struct Cursor {
+        int item;
+        long long mi;
+        int src;       // source rank of the message
+        int row;       // lane < K: the message's row k = lane (-1: none)
+        float w;
+        unsigned mask;  // lanes with a row
+        unsigned left;  // rows of the current slice not yet in a piece
+        int c0, c_end;  // current slice [c0, c0 + 64) of the chunk [.., c_end) (vectors)
+    };
+    auto load_item = [&](Cursor& c) {
+        const int m = c.item / n_chunks, ch = c.item % n_chunks;
+        int s = 0;
+        while (m >= s_start[s + 1]) ++s;
+        c.src = s;
+        c.mi = s * T_max + (m - s_start[s]);
+        c.row = lane < K ? a.msg_rows[c.mi * K + lane] : -1;
+        c.w = c.row >= 0 ? a.row_weight[c.row] : 0.f;
+        c.mask = c.left = __ballot_sync(0xffffffffu, c.row >= 0);
+        c.c0 = ch * kChunkVecs;
+        c.c_end = min(n_vec, (ch + 1) * kChunkVecs);
+    };
+    auto piece_rows = [&](const Cursor& c, int (&rk)[4], float (&wk)[4]) {
+        unsigned mk = c.left;
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const bool has = mk != 0;
+            const int k = has ? __ffs(mk) - 1 : 0;
+            mk &= mk - 1;
+            rk[u] = __shfl_sync(0xffffffffu, c.row, k);
+            wk[u] = __shfl_sync(0xffffffffu, c.w, k);
+            if (!has) rk[u] = -1;
+        }
+    };
+    auto advance = [&](Cursor& c) {
+#pragma unroll
+        for (int u = 0; u < 4; ++u) c.left &= c.left - 1;
+        if (c.left != 0) return;
+        c.c0 += 2 * kWarp;
+        if (c.c0 < c.c_end) {
+            c.left = c.mask;
+        } else {
+            c.item += warp_stride;
+            if (c.item < total) load_item(c);
+        }
+    };
+
+    Cursor at{};
+    at.item = warp0;
+    if (at.item < total) load_item(at);
+    Cursor ahead = at;
+    int istage = 0, cstage = 0;
+    auto issue = [&]() {
+        if (ahead.item >= total) return;
+        int rk[4];
+        float wk[4];
+        piece_rows(ahead, rk, wk);
+        uint4* slot = ring + istage * (kCombinePieceBytes / 16);
+        const int ca = ahead.c0 + lane, cb = ca + kWarp;
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            if (rk[u] < 0) continue;
+            const TC* src = eo + static_cast<long long>(rk[u]) * H;
+            if (ca < ahead.c_end) cp_async16(slot + (2 * u) * kWarp + lane, src + 8 * ca);
+            if (cb < ahead.c_end) cp_async16(slot + (2 * u + 1) * kWarp + lane, src + 8 * cb);
+        }
+        if (++istage == kCombineRing) istage = 0;
+        advance(ahead);
+    };
+#pragma unroll
+    for (int j = 0; j < kCombineRing - 1; ++j) {
+        issue();
+        cp_async_commit();
+    }
+    float acc_a[8] = {0, 0, 0, 0, 0, 0, 0, 0}, acc_b[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    while (at.item < total) {
+        issue();
+        cp_async_commit();
+        cp_async_wait<kCombineRing - 1>();  // this lane's copies of the piece `at` have landed
+        int rk[4];
+        float wk[4];
+        piece_rows(at, rk, wk);
+        const uint4* slot = ring + cstage * (kCombinePieceBytes / 16);
+        if (++cstage == kCombineRing) cstage = 0;
+        const int ca = at.c0 + lane, cb = ca + kWarp;
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            if (rk[u] < 0) continue;
+            float v[8];
+            if (ca < at.c_end) {
+                bf16x8_values<false>(slot[(2 * u) * kWarp + lane], v);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc_a[i] += wk[u] * v[i];
+            }
+            if (cb < at.c_end) {
+                bf16x8_values<false>(slot[(2 * u + 1) * kWarp + lane], v);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc_b[i] += wk[u] * v[i];
+            }
+        }
+        if (__popc(at.left) <= 4) {  // the slice's last piece: send its partial sums
+            const int t = a.msg_token[at.mi], j = a.msg_j[at.mi];
+            const int r = ep[P_SKIP_A2A] ? rank : at.src;
+            TC* dst = reinterpret_cast<TC*>(ep.peer(r, ep[P_OFF_COMB_RECV])) + (static_cast<long long>(t) * K + j) * H;
+            if (lane == 0) bulk_wait_read();  // the previous slice has left the buffer
+            __syncwarp();
+            if (ca < at.c_end) store8f(stage + 8 * lane, acc_a);
+            if (cb < at.c_end) store8f(stage + 8 * (lane + kWarp), acc_b);
+            fence_shared_for_bulk();
+            __syncwarp();
+            if (lane == 0)
+                bulk_store(dst + 8 * at.c0, stage, (min(at.c_end, at.c0 + 2 * kWarp) - at.c0) * 8 * int(sizeof(TC)));
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc_a[i] = acc_b[i] = 0.f;
+        }
+        advance(at);
+    }
+    cp_async_wait<0>();
+    if (lane == 0) bulk_wait_done();
+}
+
 template <typename TC>
 __device__ void phase_send(const EP& ep, const CombineArgs& a, int round, int* s_flag) {
     const int K = static_cast<int>(ep[P_TOP_K]), H = static_cast<int>(ep[P_HIDDEN]);
@@ -98,9 +263,18 @@ __device__ void phase_send(const EP& ep, const CombineArgs& a, int round, int* s
         }
         __syncthreads();
         // One warp per received message: the float32 sum of its rows here, weighted, sent back as one partial.
+        __shared__ alignas(128) TC s_stage[kCombineThreads / kWarp][2 * kWarp * 8];
+        TC* const stage = s_stage[threadIdx.x / kWarp];
         const int kChunkVecs = static_cast<int>(chunk_units(s_start[n_src], n_vec, kWarp));
         const int n_chunks = (n_vec + kChunkVecs - 1) / kChunkVecs;
-        for (int item = warp0; item < s_start[n_src] * n_chunks; item += warp_stride) {
+        bool done = false;
+        if constexpr (sizeof(TC) == 2 && kCombineRing > 1) {
+            if (dynamic_smem_bytes() >= unsigned(kCombineRingBytes)) {
+                send_partials_ring(ep, a, s_start, n_src, kChunkVecs, n_chunks, warp0, warp_stride, stage);
+                done = true;
+            }
+        }
+        for (int item = warp0; !done && item < s_start[n_src] * n_chunks; item += warp_stride) {
             const int m = item / n_chunks, ch = item % n_chunks;
             int s = 0;
             while (m >= s_start[s + 1]) ++s;
@@ -109,7 +283,11 @@ __device__ void phase_send(const EP& ep, const CombineArgs& a, int round, int* s
             const float w = row >= 0 ? a.row_weight[row] : 0.f;
             const unsigned rows_mask = __ballot_sync(0xffffffffu, row >= 0);
             const int t = a.msg_token[mi], j = a.msg_j[mi];
+#ifdef CUEP_AB_COMBINE_LOCAL  // measurement knob only (wrong results): every partial to this rank's own buffer
+            const int r = rank;
+#else
             const int r = ep[P_SKIP_A2A] ? rank : s;
+#endif
             TC* dst = reinterpret_cast<TC*>(ep.peer(r, ep[P_OFF_COMB_RECV])) + (static_cast<long long>(t) * K + j) * H;
             const int c_end = min(n_vec, (ch + 1) * kChunkVecs);
             // Two vectors per lane and up to 4 rows per step: 8 independent 16-byte loads in flight per lane (the
@@ -133,6 +311,11 @@ __device__ void phase_send(const EP& ep, const CombineArgs& a, int round, int* s
                     float va[4][8], vb[4][8];
 #pragma unroll
                     for (int u = 0; u < 4; ++u) {
+#ifdef CUEP_AB_COMBINE_NO_LOADS  // measurement knob only (wrong results): the partial sums without their loads
+#pragma unroll
+                        for (int i = 0; i < 8; ++i) va[u][i] = vb[u][i] = float(ca + i);
+                        continue;
+#endif
                         if (rk[u] >= 0 && ca < c_end) load8f(eo + static_cast<long long>(rk[u]) * H + 8 * ca, va[u]);
                         if (rk[u] >= 0 && cb < c_end) load8f(eo + static_cast<long long>(rk[u]) * H + 8 * cb, vb[u]);
                     }
@@ -146,10 +329,17 @@ __device__ void phase_send(const EP& ep, const CombineArgs& a, int round, int* s
                         }
                     }
                 }
-                if (ca < c_end) store8f(dst + 8 * ca, acc_a);
-                if (cb < c_end) store8f(dst + 8 * cb, acc_b);
+                // The slice [c0, min(c_end, c0 + 64)) vectors is contiguous in dst: stage it, one bulk store.
+                if (lane == 0) bulk_wait_read();  // the previous slice has left the buffer
+                __syncwarp();
+                if (ca < c_end) store8f(stage + 8 * lane, acc_a);
+                if (cb < c_end) store8f(stage + 8 * (lane + kWarp), acc_b);
+                fence_shared_for_bulk();
+                __syncwarp();
+                if (lane == 0) bulk_store(dst + 8 * c0, stage, (min(c_end, c0 + 2 * kWarp) - c0) * 8 * int(sizeof(TC)));
             }
         }
+        if (lane == 0) bulk_wait_done();  // this warp's partials are written before the block counts itself done
     } else {
         // One warp per dispatched row: the row goes back unchanged into slot k of its token.
         const int n_rows = static_cast<int>(a.row_offsets[ep[P_N_GROUPS]]);
@@ -235,18 +425,30 @@ __device__ void phase_recv(const EP& ep, const CombineArgs& a, int* s_flag) {
                 store8f(o + static_cast<long long>(k) * H + 8 * c, v);
             }
         } else {
-            const int n_slots = a.mode == kPartial ? n_partials : K;
+            // The slots to sum (partials: the first n_partials; weighted: the valid choices), 4 loads in flight.
+            const unsigned slot_mask = a.mode == kPartial ? (n_partials >= 32 ? 0xffffffffu : (1u << n_partials) - 1u)
+                                                          : valid_mask;
             for (int c0 = c_begin; c0 < c_end; c0 += kWarp) {
                 const int c = c0 + lane;
                 float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-                for (int j = 0; j < n_slots; ++j) {
-                    if (a.mode == kWeighted && !((valid_mask >> j) & 1u)) continue;  // warp-uniform
-                    const float wj = a.mode == kWeighted ? __shfl_sync(0xffffffffu, w, j) : 1.f;
-                    if (c < c_end) {
-                        float v[8];
-                        load8f(slots + static_cast<long long>(j) * H + 8 * c, v);
+                unsigned mk = slot_mask;
+                while (mk) {
+                    int jk[4];
+                    float wk[4], v[4][8];
 #pragma unroll
-                        for (int i = 0; i < 8; ++i) acc[i] += wj * v[i];
+                    for (int u = 0; u < 4; ++u) {
+                        jk[u] = mk ? __ffs(mk) - 1 : -1;
+                        if (mk) mk &= mk - 1;
+                        wk[u] = a.mode == kWeighted ? __shfl_sync(0xffffffffu, w, jk[u] < 0 ? 0 : jk[u]) : 1.f;
+                    }
+#pragma unroll
+                    for (int u = 0; u < 4; ++u)
+                        if (jk[u] >= 0 && c < c_end) load8f(slots + static_cast<long long>(jk[u]) * H + 8 * c, v[u]);
+#pragma unroll
+                    for (int u = 0; u < 4; ++u) {
+                        if (jk[u] < 0 || c >= c_end) continue;
+#pragma unroll
+                        for (int i = 0; i < 8; ++i) acc[i] += wk[u] * v[u][i];
                     }
                 }
                 if (c >= c_end) continue;

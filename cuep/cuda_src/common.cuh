@@ -144,4 +144,22 @@ struct ErrorRecord {
     int src_rank;
 };
 
+// ---- asynchronous copies (cp.async) ---------------------------------------------------------------------
+// 16 bytes global -> shared, asynchronously (L2 only); completion per thread through commit / wait groups.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(
+                     smem))),
+                 "l"(gmem)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory"); }
+// Bytes of dynamic shared memory the launch gave this block.
+__device__ __forceinline__ unsigned dynamic_smem_bytes() {
+    unsigned n;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
+    return n;
+}
+
 }  // namespace cuep

@@ -59,10 +59,19 @@ __device__ void place_row_scales(const EP& ep, const DispatchArgs& a, long long 
         const float* s = reinterpret_cast<const float*>(src);
         for (int b = tid; b < n_scales; b += nthreads) out[static_cast<long long>(b) * ep[P_CAPACITY] + row] = s[b];
     } else if constexpr (FMT == kFmtNvfp4 || FMT == kFmtMxfp4) {
+        // One 4-byte word per 128x4 tile (its 4 columns of this row are contiguous): a quarter of the stores of
+        // byte-wise writes (each store goes to a sector other rows also write, which is what costs).
         uint8_t* out = static_cast<uint8_t*>(a.scales_out);
         const int k_tiles = static_cast<int>(ep[P_K_TILES]);
-        for (int c = tid; c < k_tiles * kScaleTileCols; c += nthreads)
-            out[swizzled_scale_offset(scale_row, c, k_tiles)] = c < n_scales ? src[c] : 0;
+        for (int kt = tid; kt < k_tiles; kt += nthreads) {
+            uint32_t word = 0;
+#pragma unroll
+            for (int i = 0; i < kScaleTileCols; ++i) {
+                const int c = kt * kScaleTileCols + i;
+                if (c < n_scales) word |= uint32_t(src[c]) << (8 * i);
+            }
+            *reinterpret_cast<uint32_t*>(out + swizzled_scale_offset(scale_row, kt * kScaleTileCols, k_tiles)) = word;
+        }
     }
 }
 
@@ -474,10 +483,10 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
             const unsigned pad_end = (n + kScaleTileRows - 1) / kScaleTileRows * kScaleTileRows;
             const int k_tiles = static_cast<int>(ep[P_K_TILES]);
             uint8_t* out = static_cast<uint8_t*>(a.scales_out);
-            for (long long i = threadIdx.x; i < static_cast<long long>(pad_end - n) * k_tiles * kScaleTileCols;
-                 i += blockDim.x) {
-                const long long srow = static_cast<long long>(s_tiles[g]) * kScaleTileRows + n + i / (k_tiles * kScaleTileCols);
-                out[swizzled_scale_offset(srow, static_cast<int>(i % (k_tiles * kScaleTileCols)), k_tiles)] = 0;
+            for (long long i = threadIdx.x; i < static_cast<long long>(pad_end - n) * k_tiles; i += blockDim.x) {
+                const long long srow = static_cast<long long>(s_tiles[g]) * kScaleTileRows + n + i / k_tiles;
+                *reinterpret_cast<uint32_t*>(
+                    out + swizzled_scale_offset(srow, static_cast<int>(i % k_tiles) * kScaleTileCols, k_tiles)) = 0u;
             }
         }
     }

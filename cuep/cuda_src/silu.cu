@@ -34,21 +34,6 @@ constexpr int kSiluMinBlocks = CUEP_SILU_MIN_BLOCKS;
 constexpr int kSiluStages = CUEP_SILU_STAGES;
 constexpr int kSiluStageBytes = 2048;
 
-// 16 bytes global -> shared, asynchronously (L2 only).
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(
-                     smem))),
-                 "l"(gmem)
-                 : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory"); }
-__device__ __forceinline__ unsigned dynamic_smem_bytes() {
-    unsigned n;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
-    return n;
-}
 
 // silu(gate) * up for one value. gate and up are not flushed first: every operation that reads them (max.ftz,
 // setp.ftz, mul.rn.ftz) flushes a subnormal operand to zero of the same sign, which is the contract's
