@@ -2,15 +2,17 @@
 
 Back-to-back rounds, wall time over many rounds after a warm-up (the GPUs stay busy, so host launch overhead
 hides as long as a round is longer than the launches). usage: python scripts/phase_split.py [--tokens N]
+[--format F] [--iters I]. The measurement knobs of combine.cu (CUEP_EXTRA_DEFINES="CUEP_AB_COMBINE_LOCAL=1",
+"CUEP_AB_COMBINE_NO_LOADS=1": wrong results, timing only) split its send half further.
 """
 import argparse
 import time
 
 import cupy
-import ml_dtypes
 import numpy as np
 
 import cuep
+from cuep.bench.cases import random_bf16
 
 
 def main():
@@ -22,14 +24,16 @@ def main():
     g = cuep.init()
     cfg = cuep.EPConfig(7168, 8, 256, a.tokens, g.n_ranks, dispatch_format=a.format)
     buf = cuep.Buffer(g, cfg)
-    rng = np.random.default_rng(0)
+    # Inputs drawn on each GPU (the expert outputs are capacity x H: hundreds of millions of values at 4+ ranks,
+    # far too slow to draw with NumPy).
     xs, ids, ws, eo = [], [], [], []
-    for d in g.devices:
+    for i, d in enumerate(g.devices):
         with cupy.cuda.Device(d):
-            xs.append(cupy.asarray(rng.standard_normal((a.tokens, 7168)).astype(ml_dtypes.bfloat16)))
-            ids.append(cupy.asarray(np.argsort(-rng.random((a.tokens, 256)), 1)[:, :8].astype(np.int32)))
-            ws.append(cupy.asarray(rng.random((a.tokens, 8)).astype(np.float32)))
-            eo.append(cupy.asarray(rng.standard_normal((cfg.capacity, 7168)).astype(ml_dtypes.bfloat16)))
+            rng = cupy.random.default_rng(i)
+            xs.append(random_bf16(rng, (a.tokens, 7168)))
+            ids.append(cupy.argsort(-rng.random((a.tokens, 256), dtype=np.float32), axis=1)[:, :8].astype(np.int32))
+            ws.append(rng.random((a.tokens, 8), dtype=np.float32))
+            eo.append(random_bf16(rng, (cfg.capacity, 7168), octaves=False))
 
     def sync():
         for d in g.devices:
@@ -64,7 +68,8 @@ def main():
         ("combine send half + wait", timeit(lambda: (cuep.combine_async(buf, eo, d), cuep.combine_wait(buf, eo, d)))),
     ]
     for name, us in rows:
-        print(f"{g.n_ranks} GPUs N={a.tokens} {a.format}: {name:28s} {us:8.1f} us/round (wall, back to back)")
+        print(f"{g.n_ranks} GPUs N={a.tokens} {a.format}: {name:28s} {us:8.1f} us/round (wall, back to back)",
+              flush=True)
 
 
 if __name__ == "__main__":
