@@ -470,7 +470,7 @@ def fused_silu(h: np.ndarray, row_offsets: np.ndarray, fmt="bf16", interleaved: 
     """``silu(gate) * up`` of the rows below ``row_offsets[-1]``, as bf16 or quantized for the down GEMM.
 
     Arithmetic (``docs/formats.md``, "Fused SwiGLU"): gate and up are read as float32 and flushed (FTZ);
-    ``sv = silu_f32(gate)`` (float32 range reduction, polynomial and one IEEE division: :func:`silu_f32`);
+    ``sv = silu_f32(gate)`` (range reduction, an FMA polynomial, a correctly rounded reciprocal: :func:`silu_f32`);
     ``y = sv * up`` as a float32 multiply, flushed; then ``bf16(y)`` (round to nearest even) or
     ``quantize(y, fmt, global_scale)``.
 
