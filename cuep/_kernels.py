@@ -45,6 +45,12 @@ def extra_defines() -> dict[str, str]:
     return out
 
 
+def tuning_value(name: str, default: int) -> int:
+    """A kernel tuning constant as the kernels see it: ``default`` unless CUEP_EXTRA_DEFINES overrides ``name``
+    (for host code that sizes launches from the same constant, e.g. shared-memory rings)."""
+    return int(extra_defines().get(name, default))
+
+
 def compile_options() -> tuple[str, ...]:
     """The options cuep passes to ``cupy.RawModule`` (CuPy adds :data:`CUPY_IMPLICIT_OPTIONS` and -arch).
 
@@ -143,6 +149,24 @@ def function(filename: str, name: str, name_expressions: tuple[str, ...] = ()):
         fn = module(filename, name_expressions).get_function(name)
         _functions[key] = fn
     return fn
+
+
+_SMEM_WITHOUT_OPT_IN = 48 << 10  # shared memory (static + dynamic) a block gets without opting in
+_smem_allowed: dict[int, int] = {}
+
+
+def allow_dynamic_smem(fn, smem: int) -> None:
+    """Let kernel ``fn`` (a ``cupy.RawKernel`` from :func:`function`) launch with ``smem`` bytes of dynamic shared
+    memory: opts in (``max_dynamic_shared_size_bytes``) once ``smem`` plus the kernel's static shared memory passes
+    the 48 KiB a block gets by default; remembered per kernel object, so the driver is asked once per size."""
+    key = id(fn)  # function() caches its kernels for the process, so the id stays theirs
+    allowed = _smem_allowed.get(key)
+    if allowed is None:
+        allowed = _SMEM_WITHOUT_OPT_IN - fn.shared_size_bytes
+    if smem > allowed:
+        fn.max_dynamic_shared_size_bytes = smem
+        allowed = smem
+    _smem_allowed[key] = allowed
 
 
 def enable_compile_log() -> None:

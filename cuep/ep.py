@@ -187,16 +187,13 @@ def _blocks(buf: Buffer, threads: int) -> int:
     return buf.num_sms
 
 
-_smem_set: dict[tuple[int, str], int] = {}
-
-
 _COMBINE_RING = 2                # kCombineRing in cuda_src/combine.cu (stages of the bf16 partial-sum load ring)
 _COMBINE_PIECE_BYTES = 4 * 2 * 32 * 16  # kCombinePieceBytes: 4 rows x 64 vectors of 16 bytes
 
 
 def _combine_ring_bytes() -> int:
     """Dynamic shared memory of combine's bf16 load ring (CUEP_EXTRA_DEFINES="CUEP_COMBINE_RING=n" overrides)."""
-    stages = int(_kernels.extra_defines().get("CUEP_COMBINE_RING", _COMBINE_RING))
+    stages = _kernels.tuning_value("CUEP_COMBINE_RING", _COMBINE_RING)
     return stages * _COMBINE_PIECE_BYTES * (_THREADS // 32) if stages > 1 else 0
 
 
@@ -204,10 +201,7 @@ def _kernel(name: str, smem: int):
     """The kernel ``file.cu:name`` for the current device, allowed ``smem`` bytes of dynamic shared memory."""
     file, fname = name.split(":")
     fn = _kernels.function(file, fname)
-    key = (id(fn), fname)
-    if smem > 48 * 1024 and _smem_set.get(key, 0) < smem:
-        fn.max_dynamic_shared_size_bytes = smem
-        _smem_set[key] = smem
+    _kernels.allow_dynamic_smem(fn, smem)
     return fn
 
 

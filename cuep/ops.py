@@ -136,30 +136,15 @@ def _grid(filename: str, name: str, kernel, work_blocks: int, smem: int = 0) -> 
     return max(1, min(int(work_blocks), sms * occ))
 
 
-_SMEM_DEFAULT_LIMIT = 48 << 10  # shared memory a block gets without opting in
-_smem_opt_in: dict = {}
-
-
-def _allow_shared(filename: str, name: str, kern, smem: int) -> None:
-    """Let ``kern`` take ``smem`` bytes of dynamic shared memory (opting in past 48 KiB), once per size."""
-    key = (filename, name, cupy.cuda.Device().id)
-    allowed = _smem_opt_in.get(key)
-    if allowed is None:
-        allowed = _smem_opt_in[key] = _SMEM_DEFAULT_LIMIT - kern.shared_size_bytes
-    if smem > allowed:
-        kern.max_dynamic_shared_size_bytes = smem
-        _smem_opt_in[key] = smem
-
-
 def _silu_ring_bytes() -> int:
     """Dynamic shared memory of fused_silu's load ring per block (silu.cu: kSiluStages x kSiluStageBytes x warps)."""
-    stages = int(_kernels.extra_defines().get("CUEP_SILU_STAGES", _SILU_STAGES))
+    stages = _kernels.tuning_value("CUEP_SILU_STAGES", _SILU_STAGES)
     return stages * _SILU_STAGE_BYTES * (_THREADS // _WARP)
 
 
 def _launch(filename: str, name: str, work_blocks: int, args: tuple, smem: int = 0) -> None:
     kern = _kernel(filename, name)
-    _allow_shared(filename, name, kern, smem)
+    _kernels.allow_dynamic_smem(kern, smem)
     grid = _grid(filename, name, kern, work_blocks, smem)
     kern((grid,), (_THREADS,), args, shared_mem=smem)
 

@@ -108,3 +108,39 @@ def test_param_block_matches_header():
     want = [f.upper() for f in PARAM_FIELDS if not f.startswith("peer_base")] + ["PEER_BASE"]
     assert names == want
     assert len(PARAM_FIELDS) == len(names) - 1 + 8
+
+
+def test_dynamic_shared_memory_opt_in(monkeypatch):
+    """allow_dynamic_smem opts a kernel in only past 48 KiB (its static shared memory counted), once per size."""
+
+    class FakeKernel:
+        def __init__(self, static):
+            self.shared_size_bytes = static
+            self.sets = []
+
+        @property
+        def max_dynamic_shared_size_bytes(self):
+            return self.sets[-1] if self.sets else 0
+
+        @max_dynamic_shared_size_bytes.setter
+        def max_dynamic_shared_size_bytes(self, v):
+            self.sets.append(v)
+
+    monkeypatch.setattr(_kernels, "_smem_allowed", {})
+    small, big = FakeKernel(0), FakeKernel(16 << 10)
+    _kernels.allow_dynamic_smem(small, 40 << 10)
+    assert small.sets == []                       # 40 KiB fit without opting in
+    _kernels.allow_dynamic_smem(big, 40 << 10)
+    assert big.sets == [40 << 10]                 # 16 KiB static + 40 KiB dynamic do not
+    _kernels.allow_dynamic_smem(big, 32 << 10)
+    _kernels.allow_dynamic_smem(big, 40 << 10)
+    assert big.sets == [40 << 10]                 # asked once per size
+    _kernels.allow_dynamic_smem(big, 128 << 10)
+    assert big.sets == [40 << 10, 128 << 10]
+
+
+def test_tuning_value_follows_extra_defines(monkeypatch):
+    monkeypatch.setenv("CUEP_EXTRA_DEFINES", "CUEP_SILU_STAGES=3 CUEP_FLAG")
+    assert _kernels.tuning_value("CUEP_SILU_STAGES", 2) == 3
+    assert _kernels.tuning_value("CUEP_FLAG", 0) == 1
+    assert _kernels.tuning_value("CUEP_COMBINE_RING", 2) == 2
