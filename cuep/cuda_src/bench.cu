@@ -91,3 +91,61 @@ cuep_bench_segment_sum_bf16(const uint16_t* __restrict__ in, const int32_t* __re
         }
     }
 }
+
+// cuep_bench_a2a_copy: the SM-driven all-to-all ceiling. Pair p copies `bytes` from srcs[p] to dsts[p]; work
+// items are (chunk, pair) with the pair fastest, so every SM's warps write to every peer at once (the pattern of a
+// dispatch or a combine). Push: srcs = this GPU's buffer, dsts = the peers'; pull: the reverse.
+//   mode 0: each lane loads 4 x 16 bytes, then stores them (plain loads and stores)
+//   mode 1: stores only (a constant pattern), no loads: the write path alone
+//   mode 2: stores only, through TMA bulk stores of a constant shared-memory chunk (`chunk` <= 8192 bytes),
+//           up to 4 bulk groups in flight per warp
+// bytes and chunk are multiples of 16; dynamic shared memory: 8 KiB per warp for mode 2.
+extern "C" __global__ void __launch_bounds__(512)
+cuep_bench_a2a_copy(const uint64_t* srcs, const uint64_t* dsts, int n_pairs, int64_t bytes, int chunk, int mode) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int64_t n_chunks = (bytes + chunk - 1) / chunk;
+    const int64_t items = n_chunks * n_pairs;
+    extern __shared__ uint4 a2a_smem[];
+    uint4* stage = a2a_smem + warp * (8192 / 16);
+    if (mode == 2) {
+        for (int i = lane; i < chunk / 16; i += 32) stage[i] = make_uint4(i, lane, 7, 9);
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        __syncwarp();
+    }
+    for (int64_t it = int64_t(warp) * gridDim.x + blockIdx.x; it < items; it += int64_t(gridDim.x) * (blockDim.x / 32)) {
+        const int p = static_cast<int>(it % n_pairs);
+        const int64_t off = (it / n_pairs) * chunk;
+        const int64_t n = bytes - off < chunk ? bytes - off : chunk;
+        const uint4* s = reinterpret_cast<const uint4*>(srcs[p] + off);
+        uint4* d = reinterpret_cast<uint4*>(dsts[p] + off);
+        const int nv = static_cast<int>(n / 16);
+        if (mode == 2) {
+            if (lane == 0) {
+                asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(d),
+                             "r"(static_cast<unsigned>(__cvta_generic_to_shared(stage))), "r"(static_cast<int>(n))
+                             : "memory");
+                asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+                asm volatile("cp.async.bulk.wait_group.read 3;" ::: "memory");
+            }
+            continue;
+        }
+        for (int v0 = 0; v0 < nv; v0 += 4 * 32) {
+            uint4 r[4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const int v = v0 + u * 32 + lane;
+                if (mode == 0) {
+                    if (v < nv) r[u] = s[v];
+                } else {
+                    r[u] = make_uint4(v, u, 3, 5);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const int v = v0 + u * 32 + lane;
+                if (v < nv) d[v] = r[u];
+            }
+        }
+    }
+    if (mode == 2 && lane == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}

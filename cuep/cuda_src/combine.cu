@@ -93,6 +93,25 @@ __device__ __forceinline__ void store8f(TC* p, const float (&v)[8]) {
 __device__ __forceinline__ int n_dest_ranks(const EP& ep) { return ep[P_SKIP_A2A] ? 1 : static_cast<int>(ep[P_N_RANKS]); }
 __device__ __forceinline__ int dest_rank(const EP& ep, int d) { return ep[P_SKIP_A2A] ? static_cast<int>(ep[P_RANK]) : d; }
 
+// Work items of the partial sums (item = (message, chunk)) in an order interleaved over the source ranks: item v
+// is chunk v % n_chunks of message q / n_src of source (q + rot) % n_src, q = v / n_chunks; items past a source's
+// message count are empty. So at any moment every GPU's warps write to every destination at once. (In source order
+// every GPU wrote to rank 0 first, then to rank 1, ...: one destination took three GPUs' traffic at a time, and
+// the 4-GPU combine's remote writes ran at 190 GB/s against the 350 GB/s of an all-to-all copy kernel.)
+struct PartialOrder {
+    const int* count;   // [n_src] messages received from each source (shared memory)
+    int n_src, n_chunks, rot;
+    long long T_max;
+    int n_items;        // n_src x (largest count) x n_chunks, empty items included
+    __device__ __forceinline__ bool at(int v, int& s, long long& mi, int& ch) const {
+        ch = v % n_chunks;
+        const int q = v / n_chunks, i = q / n_src;
+        s = (q % n_src + rot) % n_src;
+        mi = s * T_max + i;
+        return i < count[s];
+    }
+};
+
 __device__ void phase_notify(const EP& ep, int round) {
     if (blockIdx.x != 0) return;
     const int rank = static_cast<int>(ep[P_RANK]);
@@ -108,13 +127,12 @@ __device__ void phase_notify(const EP& ep, int round) {
 // cursor runs kCombineRing - 1 pieces ahead of the compute cursor. Each lane copies and reads back only its own
 // two vectors of each row (no warp sync). Slices go out with bulk stores (bulk_store), as in the register path.
 template <typename TC>
-__device__ void send_partials_ring(const EP& ep, const CombineArgs& a, const int* s_start, int n_src, int kChunkVecs,
-                                   int n_chunks, int warp0, int warp_stride, TC* stage) {
+__device__ void send_partials_ring(const EP& ep, const CombineArgs& a, const PartialOrder& order, int kChunkVecs,
+                                   int warp0, int warp_stride, TC* stage) {
     const int K = static_cast<int>(ep[P_TOP_K]), H = static_cast<int>(ep[P_HIDDEN]);
     const int rank = static_cast<int>(ep[P_RANK]);
-    const long long T_max = ep[P_MAX_TOKENS];
     const int n_vec = H / 8, lane = threadIdx.x % kWarp;
-    const int total = s_start[n_src] * n_chunks;
+    const int total = order.n_items;
     const TC* eo = static_cast<const TC*>(a.expert_out);
     extern __shared__ uint4 dyn_smem[];
     uint4* const ring = dyn_smem + (threadIdx.x / kWarp) * (kCombineRing * kCombinePieceBytes / 16);
@@ -129,12 +147,12 @@ __device__ void send_partials_ring(const EP& ep, const CombineArgs& a, const int
         unsigned left;  // rows of the current slice not yet in a piece
         int c0, c_end;  // current slice [c0, c0 + 64) of the chunk [.., c_end) (vectors)
     };
+    // Moves c to its first item at or after c.item that holds a message (c.item >= total: none left).
     auto load_item = [&](Cursor& c) {
-        const int m = c.item / n_chunks, ch = c.item % n_chunks;
-        int s = 0;
-        while (m >= s_start[s + 1]) ++s;
+        int s = 0, ch = 0;
+        while (c.item < total && !order.at(c.item, s, c.mi, ch)) c.item += warp_stride;
+        if (c.item >= total) return;
         c.src = s;
-        c.mi = s * T_max + (m - s_start[s]);
         c.row = lane < K ? a.msg_rows[c.mi * K + lane] : -1;
         c.w = c.row >= 0 ? a.row_weight[c.row] : 0.f;
         c.mask = c.left = __ballot_sync(0xffffffffu, c.row >= 0);
@@ -180,6 +198,9 @@ __device__ void send_partials_ring(const EP& ep, const CombineArgs& a, const int
         const int ca = ahead.c0 + lane, cb = ca + kWarp;
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
+#ifdef CUEP_AB_COMBINE_NO_LOADS  // measurement knob only (wrong results): the partial sums without their loads
+            continue;
+#endif
             if (rk[u] < 0) continue;
             const TC* src = eo + static_cast<long long>(rk[u]) * H;
             if (ca < ahead.c_end) cp_async16(slot + (2 * u) * kWarp + lane, src + 8 * ca);
@@ -221,7 +242,11 @@ __device__ void send_partials_ring(const EP& ep, const CombineArgs& a, const int
         }
         if (__popc(at.left) <= 4) {  // the slice's last piece: send its partial sums
             const int t = a.msg_token[at.mi], j = a.msg_j[at.mi];
+#ifdef CUEP_AB_COMBINE_LOCAL  // measurement knob only (wrong results): every partial to this rank's own buffer
+            const int r = rank;
+#else
             const int r = ep[P_SKIP_A2A] ? rank : at.src;
+#endif
             TC* dst = reinterpret_cast<TC*>(ep.peer(r, ep[P_OFF_COMB_RECV])) + (static_cast<long long>(t) * K + j) * H;
             if (lane == 0) bulk_wait_read();  // the previous slice has left the buffer
             __syncwarp();
@@ -256,29 +281,33 @@ __device__ void phase_send(const EP& ep, const CombineArgs& a, int round, int* s
     const int lane = threadIdx.x % kWarp, n_warps = blockDim.x / kWarp;
     const int warp0 = (threadIdx.x / kWarp) * gridDim.x + blockIdx.x, warp_stride = gridDim.x * n_warps;
     if (a.mode == kPartial) {
-        __shared__ int s_start[kMaxRanks + 1];
+        __shared__ int s_count[kMaxRanks], s_total, s_most;
         if (threadIdx.x == 0) {
-            s_start[0] = 0;
-            for (int s = 0; s < n_src; ++s) s_start[s + 1] = s_start[s] + a.msg_count[s];
+            s_total = s_most = 0;
+            for (int s = 0; s < n_src; ++s) {
+                s_count[s] = a.msg_count[s];
+                s_total += s_count[s];
+                s_most = max(s_most, s_count[s]);
+            }
         }
         __syncthreads();
         // One warp per received message: the float32 sum of its rows here, weighted, sent back as one partial.
         __shared__ alignas(128) TC s_stage[kCombineThreads / kWarp][2 * kWarp * 8];
         TC* const stage = s_stage[threadIdx.x / kWarp];
-        const int kChunkVecs = static_cast<int>(chunk_units(s_start[n_src], n_vec, kWarp));
+        const int kChunkVecs = static_cast<int>(chunk_units(s_total, n_vec, kWarp));
         const int n_chunks = (n_vec + kChunkVecs - 1) / kChunkVecs;
+        const PartialOrder order{s_count, n_src, n_chunks, (rank + 1) % n_src, T_max, n_src * s_most * n_chunks};
         bool done = false;
         if constexpr (sizeof(TC) == 2 && kCombineRing > 1) {
             if (dynamic_smem_bytes() >= unsigned(kCombineRingBytes)) {
-                send_partials_ring(ep, a, s_start, n_src, kChunkVecs, n_chunks, warp0, warp_stride, stage);
+                send_partials_ring(ep, a, order, kChunkVecs, warp0, warp_stride, stage);
                 done = true;
             }
         }
-        for (int item = warp0; !done && item < s_start[n_src] * n_chunks; item += warp_stride) {
-            const int m = item / n_chunks, ch = item % n_chunks;
-            int s = 0;
-            while (m >= s_start[s + 1]) ++s;
-            const long long mi = s * T_max + (m - s_start[s]);
+        for (int item = warp0; !done && item < order.n_items; item += warp_stride) {
+            int s, ch;
+            long long mi;
+            if (!order.at(item, s, mi, ch)) continue;
             const int row = lane < K ? a.msg_rows[mi * K + lane] : -1;
             const float w = row >= 0 ? a.row_weight[row] : 0.f;
             const unsigned rows_mask = __ballot_sync(0xffffffffu, row >= 0);

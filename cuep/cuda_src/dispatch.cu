@@ -275,7 +275,12 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
             payload = s_payload;
             __syncwarp();
         }
-        for (int d = 0; d < R; ++d) {
+        // Destinations in a rotated order (from the token's index): the warps of every GPU then write to every
+        // destination at once. With d = 0, 1, ... in every warp, all GPUs began by writing to rank 0, one
+        // destination took three GPUs' traffic at a time, and the 4-GPU send half ran at 210 GB/s against the
+        // 350 GB/s of an all-to-all copy kernel.
+        for (int i = 0; i < R; ++i) {
+            const int d = (t + rank + i) % R;
             const unsigned mask = __ballot_sync(0xffffffffu, r == d);
             if (!mask) continue;
             const int first = __ffs(mask) - 1;
