@@ -337,7 +337,7 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
 
     __shared__ int s_ok;
     __shared__ int s_scan[32];
-    __shared__ int s_msg_start[kMaxRanks + 1];
+    __shared__ int s_msg_count[kMaxRanks], s_msg_total, s_msg_most;
 
     // The layout needs only the histograms (they arrive before any data); messages are then placed one by one
     // as their ready tags land, so the copies below overlap the incoming stream.
@@ -351,8 +351,12 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
     if (threadIdx.x == 0) {
         s_offsets[0] = 0;
         if (sh) s_offsets[1] = shared_rows(ep, s_tally, rank);
-        s_msg_start[0] = 0;
-        for (int s = 0; s < n_src; ++s) s_msg_start[s + 1] = s_msg_start[s] + s_tally[s * E1 + E + 1];
+        s_msg_total = s_msg_most = 0;
+        for (int s = 0; s < n_src; ++s) {
+            s_msg_count[s] = s_tally[s * E1 + E + 1];
+            s_msg_total += s_msg_count[s];
+            s_msg_most = max(s_msg_most, s_msg_count[s]);
+        }
     }
     __syncthreads();
     scan_rank_groups(ep, s_tally, rank, s_scan, [&](int, int l, int start, int size) {
@@ -380,7 +384,7 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
 
     // Messages, one warp each: metadata, scales, and the copies for the other local experts the token chose.
     char* tokens = ep.local(ep[P_OFF_TOKENS]);
-    const int total = s_msg_start[n_src];
+    const int total = s_msg_total;
     const int lane = threadIdx.x % kWarp, n_warps = blockDim.x / kWarp;
     // Work items are (message, chunk of the payload): the first chunk also places the metadata and scales,
     // every chunk copies its part of the payload to the token's other local experts' rows.
@@ -389,15 +393,16 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
     const long long kFanoutChunk = min(chunk_units(total, pb, kWarp * 16), 2048LL);
     const int n_chunks = static_cast<int>((pb + kFanoutChunk - 1) / kFanoutChunk);
     // Items are claimed in order with an atomic (lane 0), so blocks that finish sending early, or receive-only
-    // blocks, take whatever is next: the fan-out follows the incoming stream.
+    // blocks, take whatever is next: the fan-out follows the incoming stream. The order interleaves the sources
+    // (message slots fill in roughly the order the senders send), so no warp waits for one source while messages
+    // of the others have landed (in source order: 4 x H200 fused dispatch 615 us against a 506 us send half).
     int* next_item = ctr + C_RECV_ITEM;
     (void)n_warps;
-    for (int item = __shfl_sync(0xffffffffu, lane == 0 ? atomicAdd(next_item, 1) : 0, 0); item < total * n_chunks;
+    const SourceInterleave order{s_msg_count, n_src, n_chunks, 0, n_src * s_msg_most * n_chunks};
+    for (int item = __shfl_sync(0xffffffffu, lane == 0 ? atomicAdd(next_item, 1) : 0, 0); item < order.n_items;
          item = __shfl_sync(0xffffffffu, lane == 0 ? atomicAdd(next_item, 1) : 0, 0)) {
-        const int m = item / n_chunks, ch = item % n_chunks;
-        int s = 0;
-        while (m >= s_msg_start[s + 1]) ++s;
-        const int i = m - s_msg_start[s];
+        int s, i, ch;
+        if (!order.at(item, s, i, ch)) continue;
         const char* meta = ep.local(ep[P_OFF_META]) + (s * T_max + i) * ep[P_META_BYTES];
         if (!warp_wait_tag(reinterpret_cast<const int*>(meta) + 1, round + 1, ep, K_DISPATCH_RECV, s, lane)) break;
         const int t = *reinterpret_cast<const int*>(meta);

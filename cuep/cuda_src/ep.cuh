@@ -125,6 +125,24 @@ __device__ __forceinline__ long long chunk_units(long long items, long long unit
     return (per + align_units - 1) / align_units * align_units;
 }
 
+// Work items (message, chunk) interleaved over the source ranks: item v is chunk v % n_chunks of message
+// q / n_src of source (q + rot) % n_src, q = v / n_chunks; items past a source's message count are empty (at()
+// returns false). Senders go through their messages in this order so that every GPU writes to every destination
+// at once (one destination at a time, as in source order, takes several GPUs' traffic and halves the all-to-all
+// rate), and receivers take them in the same order, which is the order they arrive in.
+struct SourceInterleave {
+    const int* count;  // [n_src] messages of each source
+    int n_src, n_chunks, rot;
+    int n_items;       // n_src x (largest count) x n_chunks, empty items included
+    __device__ __forceinline__ bool at(int v, int& s, int& i, int& ch) const {
+        ch = v % n_chunks;
+        const int q = v / n_chunks;
+        i = q / n_src;
+        s = (q % n_src + rot) % n_src;
+        return i < count[s];
+    }
+};
+
 // Lane 0 spins (acquire, bounded) until *tag == want; the warp barrier then orders every lane's reads after it.
 // Returns false (after recording whom it waited for) on timeout or once the rank has failed.
 __device__ __forceinline__ bool warp_wait_tag(const int* tag, int want, const EP& ep, int kernel, int src, int lane) {
