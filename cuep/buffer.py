@@ -31,7 +31,7 @@ PARAM_FIELDS = [
     "payload_bytes", "scale_bytes", "row_align", "n_scales", "k_tiles", "n_groups", "shared", "skip_a2a",
     "capacity", "meta_bytes", "meta_ids", "meta_w", "meta_rows", "meta_scales", "combine_itemsize",
     "off_tokens", "off_comb_recv", "off_meta", "off_tally", "off_hist_flag", "off_comb_ready",
-    "off_comb_count", "off_counters", "off_scratch", "timeout_ns", "err_ptr",
+    "off_comb_arrived", "off_counters", "off_scratch", "timeout_ns", "err_ptr",
 ] + [f"peer_base{i}" for i in range(8)]
 
 MAX_TOP_K = 32  # one warp lane per top-k choice
@@ -214,7 +214,7 @@ class Buffer:
                 meta_w=m.topk_weights_offset, meta_rows=m.topk_rows_offset, meta_scales=m.scales_offset,
                 combine_itemsize=cfg.combine_itemsize, timeout_ns=int(self.timeout_s * 1e9), err_ptr=r.err_host_ptr,
                 **{f"off_{k}": regions[k][0] for k in ("tokens", "comb_recv", "meta", "tally", "hist_flag",
-                                                       "comb_ready", "comb_count", "counters",
+                                                       "comb_ready", "comb_arrived", "counters",
                                                        "scratch")},
                 **{f"peer_base{i}": bases[i] for i in range(8)})
             arr = np.array([v[f] for f in PARAM_FIELDS], dtype=np.int64)
@@ -253,12 +253,9 @@ class Buffer:
                 cupy.cuda.Device().synchronize()
                 rt = cupy.cuda.runtime
                 # meta holds the per-message ready tags (round + 1): stale ones must not match a restarted round
-                for name in ("meta", "tally", "hist_flag", "comb_ready", "counters"):
+                for name in ("meta", "tally", "hist_flag", "comb_ready", "comb_arrived", "counters"):
                     off, size = reg[name]
                     rt.memset(r.base + off, 0, size)
-                for name in ("comb_count",):
-                    off, size = reg[name]
-                    rt.memset(r.base + off, 0xFF, size)
                 cupy.cuda.Device().synchronize()
             r.err_host[:] = 0
         self.group.barrier()
@@ -273,7 +270,8 @@ class Buffer:
             if status:
                 what = ERROR_STATUS.get(status, f"error {status}")
                 if status == 1:
-                    detail = (f"rank {r.rank} {KERNEL_NAMES.get(kernel, kernel)} {what} for source/peer rank {src} "
+                    whom = f"source/peer rank {src}" if src >= 0 else "data from a peer"
+                    detail = (f"rank {r.rank} {KERNEL_NAMES.get(kernel, kernel)} {what} for {whom} "
                               f"(after {self.timeout_s:g} s): a peer did not take part in this round, or died")
                 else:
                     detail = (f"rank {r.rank} {KERNEL_NAMES.get(kernel, kernel)}: {what} (expert id {expert}, "

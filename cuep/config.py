@@ -148,7 +148,7 @@ class EPConfig:
     # ---- symmetric buffers (per rank) ----------------------------------------------------------------------
     @property
     def n_counters(self) -> int:
-        """int32 counters private to a rank: message slots per destination rank (8), round, completion and work
+        """int32 counters private to a rank: 8 unused, round, completion and work
         counters (24), and the per-expert histogram (E), which is also the slot counter of each expert."""
         return 32 + self.n_experts
 
@@ -160,9 +160,10 @@ class EPConfig:
         meta_bytes]: one record per message, with a ready tag), ``tally`` (int32 [2 parities, sources, E + 2]:
         each source's expert histogram, token count and message count for this rank), ``hist_flag`` (uint64
         [2, sources]: round + 1 once that tally row is complete), ``comb_recv`` ([T, K, H] in the combine dtype),
-        ``comb_ready`` (uint64 [R]: round + 1 once that rank may receive combine data), ``comb_count`` (uint64
-        [R]). ``counters`` (int32) and ``scratch`` (int32 [T, K] slots of each choice in its (expert, source)
-        block, [T, 8] message slot per (token, destination)) are private to the rank.
+        ``comb_ready`` (uint64 [R]: round + 1 once that rank may receive combine data), ``comb_arrived`` (int32
+        [T]: 16-byte vectors of combine data landed per token this round; the receiver re-arms it).
+        ``counters`` (int32) and ``scratch`` (int32 [T, K] slots of each choice in its (expert, source) block,
+        [T, 8] message slot per (token, destination), [T] destination ranks of each token) are private to the rank.
         There is no send buffer: a token is encoded once, in shared memory, and stored straight into each
         destination over NVLink.
         """
@@ -171,9 +172,9 @@ class EPConfig:
                  ("comb_recv", T * self.top_k * self.hidden * self.combine_itemsize),
                  ("meta", S * T * self.message.meta_bytes),
                  ("tally", 4 * 2 * S * (E + 2)), ("hist_flag", 8 * 2 * S),
-                 ("comb_ready", 8 * self.n_ranks), ("comb_count", 8 * self.n_ranks),
+                 ("comb_ready", 8 * self.n_ranks), ("comb_arrived", 4 * T),
                  ("counters", 4 * self.n_counters),
-                 ("scratch", 4 * T * (self.top_k + 8))]
+                 ("scratch", 4 * T * (self.top_k + 8 + 1))]
         out, off = {}, 0
         for name, size in sizes:
             out[name] = (off, size)

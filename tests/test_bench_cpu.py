@@ -243,6 +243,7 @@ def test_tables():
     summary = report.table(report.result_rows_summary(recs), report.SUMMARY_HEADER).splitlines()
     assert len(summary) == 4 and "410.0" in summary[2]
     assert "-" in summary[3].split()[-1]  # NCCL has no speed-up over itself
+    assert "of all-pairs" in summary[0] and summary[2].split()[-2].endswith("%")  # send GB/s over the SM all-pairs
     ceil = report.ceilings_text(CEIL, [0, 1])
     assert "397" in ceil and "3900" in ceil and "from\\to" in ceil
     assert "peer ceilings skipped" in report.ceilings_text({"bytes": 1 << 20, "local_copy_gbps": [1.0],

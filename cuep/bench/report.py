@@ -116,7 +116,7 @@ def result_rows_per_gpu(results: list[dict], devices: Sequence[int]) -> list[tup
 
 
 SUMMARY_HEADER = ("system", "op", "format", "N", "SMs", "round us", "warm us", "noise", "send GB/s", "algo GB/s",
-                  "of peer", "x NCCL")
+                  "of peer", "of all-pairs", "x NCCL")
 
 
 def result_rows_summary(results: list[dict]) -> list[tuple]:
@@ -125,12 +125,14 @@ def result_rows_summary(results: list[dict]) -> list[tuple]:
     for r in results:
         send = statistics.fmean(r["bytes"]["send"]) / (r["round_us"] * 1e3) if r["round_us"] > 0 else float("nan")
         algo = statistics.fmean(r["bytes"]["algo"]) / (r["round_us"] * 1e3) if r["round_us"] > 0 else float("nan")
-        # each GPU's send bandwidth at the round time, over its own peer-copy ceiling, averaged over the GPUs
-        peer = (statistics.fmean(f * t / r["round_us"] for f, t in zip(r["of_peer_copy"], r["time_us"]))
-                if r.get("of_peer_copy") and r["round_us"] > 0 else None)
+        # each GPU's send bandwidth at the round time, over its own ceiling (peer copy; all pairs), GPU mean
+        def at_round(key):
+            return (statistics.fmean(f * t / r["round_us"] for f, t in zip(r[key], r["time_us"]))
+                    if r.get(key) and r["round_us"] > 0 else None)
+
         rows.append((r["system"], r["op"], r["format"], r["n_tokens"], _fmt(r.get("num_sms")), _fmt(r["round_us"]),
                      _fmt(r["warm"]["round_us"]), _pct(r["noise"], 1), _fmt(send, ".0f"), _fmt(algo, ".0f"),
-                     _pct(peer),
+                     _pct(at_round("of_peer_copy")), _pct(at_round("of_all_pairs")),
                      _fmt(r.get("round_speedup_vs_nccl"), ".2f")))
     return rows
 
@@ -143,8 +145,10 @@ def ceilings_text(ceil: dict | None, devices: Sequence[int]) -> str:
     for g, dev in enumerate(devices):
         rows.append((dev, _fmt(ceil["local_copy_gbps"][g], ".0f"),
                      _fmt(ceil.get("peer_copy_per_gpu_gbps", [None] * len(devices))[g], ".0f"),
-                     _fmt(ceil.get("all_pairs_gbps", [None] * len(devices))[g], ".0f")))
-    lines.append(table(rows, ("GPU", "local copy GB/s (r+w)", "peer copy GB/s (1 pair)", "all pairs GB/s out")))
+                     _fmt(ceil.get("all_pairs_gbps", [None] * len(devices))[g], ".0f"),
+                     _fmt(ceil.get("all_pairs_copy_engine_gbps", [None] * len(devices))[g], ".0f")))
+    lines.append(table(rows, ("GPU", "local copy GB/s (r+w)", "peer copy GB/s (1 pair)",
+                              "all pairs GB/s out (SM kernel)", "all pairs (copy engines)")))
     if "peer_copy_gbps" in ceil:
         m = ceil["peer_copy_gbps"]
         lines.append("peer copy GB/s, row = from, column = to:")

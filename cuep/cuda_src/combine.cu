@@ -7,9 +7,12 @@
 //                         destination rank) over this rank's experts, into slot j of the source's comb_recv[t],
 //                         j = this rank's position among the token's destination ranks
 //             kWeighted / kUnreduced  one row per (token, k) into slot k
-//           the last block signals every destination
-//   recv    wait for every rank, then out[t] = the sum of the slots (weighted by topk_weights in kWeighted),
-//           plus the shared expert's row and the residual; or the unreduced [N, K(+1), H]
+//           every piece of data, once its stores are complete, adds its 16-byte vector count to the destination's
+//           comb_arrived[t]
+//   recv    tokens in order, each as soon as its comb_arrived count says all its slots have landed (so in a fused
+//           launch the sums overlap the incoming stream): out[t] = the sum of the slots (weighted by
+//           topk_weights in kWeighted), plus the shared expert's row and the residual; or the unreduced
+//           [N, K(+1), H]. The last block re-arms comb_arrived.
 #include "ep.cuh"
 #include "formats.cuh"
 
@@ -43,12 +46,38 @@ __device__ __forceinline__ void bulk_store(void* gdst, const void* ssrc, int byt
     asm volatile("cp.async.bulk.commit_group;" ::: "memory");
 }
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
-__device__ __forceinline__ void bulk_wait_done() {
-    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-    asm volatile("fence.proxy.async.global;" ::: "memory");
-}
 // Generic shared-memory writes before the copy engine reads them.
 __device__ __forceinline__ void fence_shared_for_bulk() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// Per-token arrival counts of a warp's bulk-stored partial sums. Lane 0 issues every bulk store of its warp and
+// holds this: an item's vector count is added to the receiver's comb_arrived[t] (release, system scope) once its
+// stores are complete. It is queued when the item's last slice has been issued and posted when the next item's
+// last slice has (wait_group 1: every group but the newest is complete), so the warp rarely waits for NVLink.
+struct Arrivals {
+    int* ptr = nullptr;
+    int vectors = 0;
+    __device__ __forceinline__ void post() {
+        asm volatile("fence.proxy.async.global;" ::: "memory");  // the copy engine's writes before the count
+        red_add_release_sys(ptr, vectors);
+    }
+    __device__ __forceinline__ void queue(int* p, int n) {
+        if (ptr) {
+            asm volatile("cp.async.bulk.wait_group 1;" ::: "memory");
+            post();
+        }
+        ptr = p;
+        vectors = n;
+    }
+    __device__ __forceinline__ void flush() {
+        asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+        if (ptr) post();
+        ptr = nullptr;
+    }
+};
+
+__device__ __forceinline__ int* arrived_counter(const EP& ep, int r, int t) {
+    return reinterpret_cast<int*>(ep.peer(r, ep[P_OFF_COMB_ARRIVED])) + t;
+}
 
 struct CombineArgs {
     const void* expert_out;     // [capacity, H] combine dtype: row i is the expert output of dispatched row i
@@ -127,7 +156,7 @@ __device__ void send_partials_ring(const EP& ep, const CombineArgs& a, const Sou
         float w;
         unsigned mask;  // lanes with a row
         unsigned left;  // rows of the current slice not yet in a piece
-        int c0, c_end;  // current slice [c0, c0 + 64) of the chunk [.., c_end) (vectors)
+        int c_begin, c0, c_end;  // current slice [c0, c0 + 64) of the chunk [c_begin, c_end) (vectors)
     };
     // Moves c to its first item at or after c.item that holds a message (c.item >= total: none left).
     auto load_item = [&](Cursor& c) {
@@ -139,7 +168,7 @@ __device__ void send_partials_ring(const EP& ep, const CombineArgs& a, const Sou
         c.row = lane < K ? a.msg_rows[c.mi * K + lane] : -1;
         c.w = c.row >= 0 ? a.row_weight[c.row] : 0.f;
         c.mask = c.left = __ballot_sync(0xffffffffu, c.row >= 0);
-        c.c0 = ch * kChunkVecs;
+        c.c_begin = c.c0 = ch * kChunkVecs;
         c.c_end = min(n_vec, (ch + 1) * kChunkVecs);
     };
     auto piece_rows = [&](const Cursor& c, int (&rk)[4], float (&wk)[4]) {
@@ -167,6 +196,7 @@ __device__ void send_partials_ring(const EP& ep, const CombineArgs& a, const Sou
         }
     };
 
+    Arrivals arrivals;  // lane 0's
     Cursor at{};
     at.item = warp0;
     if (at.item < total) load_item(at);
@@ -237,32 +267,35 @@ __device__ void send_partials_ring(const EP& ep, const CombineArgs& a, const Sou
             if (cb < at.c_end) store8f(stage + 8 * (lane + kWarp), acc_b);
             fence_shared_for_bulk();
             __syncwarp();
-            if (lane == 0)
+            if (lane == 0) {
                 bulk_store(dst + 8 * at.c0, stage, (min(at.c_end, at.c0 + 2 * kWarp) - at.c0) * 8 * int(sizeof(TC)));
+                if (at.c0 + 2 * kWarp >= at.c_end) arrivals.queue(arrived_counter(ep, r, t), at.c_end - at.c_begin);
+            }
 #pragma unroll
             for (int i = 0; i < 8; ++i) acc_a[i] = acc_b[i] = 0.f;
         }
         advance(at);
     }
     cp_async_wait<0>();
-    if (lane == 0) bulk_wait_done();
+    if (lane == 0) arrivals.flush();
 }
 
+// The send phase of one of the first `send_blocks` blocks. Returns false if the wait for the destinations failed.
 template <typename TC>
-__device__ void phase_send(const EP& ep, const CombineArgs& a, int round, int* s_flag) {
+__device__ bool send_items(const EP& ep, const CombineArgs& a, int round, int send_blocks) {
     const int K = static_cast<int>(ep[P_TOP_K]), H = static_cast<int>(ep[P_HIDDEN]);
     const int rank = static_cast<int>(ep[P_RANK]), n_src = static_cast<int>(ep[P_N_SRC]);
     const long long T_max = ep[P_MAX_TOKENS];
-    int* ctr = ep.counters();
     __shared__ int s_ok;
     const int n_dest = n_dest_ranks(ep);
     const uint64_t* ready = reinterpret_cast<const uint64_t*>(ep.local(ep[P_OFF_COMB_READY])) + dest_rank(ep, 0);
-    if (!block_wait_flags_eq(ready, n_dest, static_cast<uint64_t>(round) + 1, ep, K_COMBINE_SEND, &s_ok)) return;
+    if (!block_wait_flags_eq(ready, n_dest, static_cast<uint64_t>(round) + 1, ep, K_COMBINE_SEND, &s_ok))
+        return false;
 
     const TC* eo = static_cast<const TC*>(a.expert_out);
     const int n_vec = H / 8;
     const int lane = threadIdx.x % kWarp, n_warps = blockDim.x / kWarp;
-    const int warp0 = (threadIdx.x / kWarp) * gridDim.x + blockIdx.x, warp_stride = gridDim.x * n_warps;
+    const int warp0 = (threadIdx.x / kWarp) * send_blocks + blockIdx.x, warp_stride = send_blocks * n_warps;
     if (a.mode == kPartial) {
         __shared__ int s_count[kMaxRanks], s_total, s_most;
         if (threadIdx.x == 0) {
@@ -289,6 +322,7 @@ __device__ void phase_send(const EP& ep, const CombineArgs& a, int round, int* s
                 done = true;
             }
         }
+        Arrivals arrivals;  // lane 0's
         for (int item = warp0; !done && item < order.n_items; item += warp_stride) {
             int s, i, ch;
             if (!order.at(item, s, i, ch)) continue;
@@ -350,10 +384,13 @@ __device__ void phase_send(const EP& ep, const CombineArgs& a, int round, int* s
                 if (cb < c_end) store8f(stage + 8 * (lane + kWarp), acc_b);
                 fence_shared_for_bulk();
                 __syncwarp();
-                if (lane == 0) bulk_store(dst + 8 * c0, stage, (min(c_end, c0 + 2 * kWarp) - c0) * 8 * int(sizeof(TC)));
+                if (lane == 0) {
+                    bulk_store(dst + 8 * c0, stage, (min(c_end, c0 + 2 * kWarp) - c0) * 8 * int(sizeof(TC)));
+                    if (c0 + 2 * kWarp >= c_end) arrivals.queue(arrived_counter(ep, r, t), c_end - ch * kChunkVecs);
+                }
             }
         }
-        if (lane == 0) bulk_wait_done();  // this warp's partials are written before the block counts itself done
+        if (lane == 0) arrivals.flush();
     } else {
         // One warp per dispatched row: the row goes back unchanged into slot k of its token.
         const int n_rows = static_cast<int>(a.row_offsets[ep[P_N_GROUPS]]);
@@ -368,15 +405,23 @@ __device__ void phase_send(const EP& ep, const CombineArgs& a, int round, int* s
             const long long n = min(static_cast<long long>(kChunkVecs) * 8, static_cast<long long>(H) - first);
             TC* dst = reinterpret_cast<TC*>(ep.peer(src, ep[P_OFF_COMB_RECV])) + (static_cast<long long>(t) * K + k) * H;
             warp_copy16(dst + first, eo + static_cast<long long>(row) * H + first, n * sizeof(TC), lane);
+            __syncwarp();  // every lane's stores before lane 0's fence and count
+            if (lane == 0) {
+                __threadfence_system();
+                red_add_release_sys(arrived_counter(ep, src, t), static_cast<int>(n / 8));
+            }
         }
     }
-    if (!last_block_done(ctr + C_DONE_CSEND, s_flag)) return;
-    if (threadIdx.x < n_dest) {
-        const int r = dest_rank(ep, threadIdx.x);
-        fence_sys();
-        store_release_u64(reinterpret_cast<uint64_t*>(ep.peer(r, ep[P_OFF_COMB_COUNT])) + rank, 1);
-    }
-    __syncthreads();
+    return true;
+}
+
+// send: the first `send_blocks` blocks move the data (in a fused launch the others go straight to receiving);
+// the last block to finish advances the round.
+template <typename TC>
+__device__ void phase_send(const EP& ep, const CombineArgs& a, int round, int* s_flag, int send_blocks) {
+    int* ctr = ep.counters();
+    if (static_cast<int>(blockIdx.x) < send_blocks && !send_items<TC>(ep, a, round, send_blocks)) return;
+    if (!last_block_done(ctr + C_DONE_CSEND, s_flag, /*peer_writes=*/false)) return;
     if (threadIdx.x == 0) {
         ctr[C_DONE_CSEND] = 0;
         ctr[C_COMB_ROUND] = round + 1;
@@ -389,23 +434,24 @@ __device__ void phase_recv(const EP& ep, const CombineArgs& a, int* s_flag) {
     const int L = static_cast<int>(ep[P_N_LOCAL]);
     const bool shared = ep[P_SHARED] != 0;
     int* ctr = ep.counters();
-    __shared__ int s_ok;
-    __shared__ uint64_t s_vals[kMaxRanks];
-    const int n_dest = n_dest_ranks(ep);
-    uint64_t* counts = reinterpret_cast<uint64_t*>(ep.local(ep[P_OFF_COMB_COUNT])) + dest_rank(ep, 0);
-    if (!block_wait_not_empty(counts, n_dest, s_vals, ep, K_COMBINE_RECV, &s_ok)) return;
-
+    int* arrived = reinterpret_cast<int*>(ep.local(ep[P_OFF_COMB_ARRIVED]));
     const TC* recv = reinterpret_cast<const TC*>(ep.local(ep[P_OFF_COMB_RECV]));
     const TC* eo = static_cast<const TC*>(a.expert_out);
     const TC* res = static_cast<const TC*>(a.residual);
     TC* out = static_cast<TC*>(a.out);
     const int n_vec = H / 8, E = static_cast<int>(ep[P_N_EXPERTS]);
     const int lane = threadIdx.x % kWarp, n_warps = blockDim.x / kWarp;
-    // One warp per token, lane k = top-k choice k (the same validity rules as dispatch, with shuffles).
+    // One warp per token, lane k = top-k choice k (the same validity rules as dispatch, with shuffles). Items
+    // (token, chunk) are claimed in token order with an atomic (lane 0): the senders return every source's
+    // tokens roughly in order (dispatch gives message slots in token order), and blocks that finish sending
+    // early, or receive-only blocks, take whatever is next.
     const int kChunkVecs = static_cast<int>(chunk_units(a.num_tokens, n_vec, kWarp));
     const int n_chunks = (n_vec + kChunkVecs - 1) / kChunkVecs;
-    for (int item = (threadIdx.x / kWarp) * gridDim.x + blockIdx.x; item < a.num_tokens * n_chunks;
-         item += gridDim.x * n_warps) {
+    int* next_item = ctr + C_CRECV_ITEM;
+    auto claim = [&]() { return __shfl_sync(0xffffffffu, lane == 0 ? atomicAdd(next_item, 1) : 0, 0); };
+    (void)n_warps;
+    bool ok = true;
+    for (int item = claim(); item < a.num_tokens * n_chunks; item = claim()) {
         const int t = item / n_chunks, ch = item % n_chunks;
         const int c_begin = ch * kChunkVecs, c_end = min(n_vec, c_begin + kChunkVecs);
         const int e = lane < K ? a.topk_ids[static_cast<long long>(t) * K + lane] : -1;
@@ -423,6 +469,13 @@ __device__ void phase_recv(const EP& ep, const CombineArgs& a, int* s_flag) {
         // partial sums: one per destination rank of the token (with skip_a2a, one if any choice was local)
         const int n_partials = __popc(__ballot_sync(0xffffffffu, first_of_rank));
         const float w = (a.mode == kWeighted && valid) ? a.topk_weights[static_cast<long long>(t) * K + lane] : 0.f;
+        // Wait until every slot of the token has landed: each is n_vec vectors (partials: one slot per
+        // destination rank; rows: one per valid choice).
+        const int n_slots = a.mode == kPartial ? n_partials : __popc(valid_mask);
+        if (!warp_wait_tag(arrived + t, n_slots * n_vec, ep, K_COMBINE_RECV, -1, lane)) {
+            ok = false;
+            break;
+        }
         const TC* slots = recv + static_cast<long long>(t) * K * H;
         if (a.mode == kUnreduced) {
             const int width = K + (shared ? 1 : 0);
@@ -482,9 +535,15 @@ __device__ void phase_recv(const EP& ep, const CombineArgs& a, int* s_flag) {
             }
         }
     }
+    if (!ok) return;
+    // Last block: re-arm the arrival counts (every sender of this round is done with them: each token's count
+    // was complete) and the item counter.
     if (!last_block_done(ctr + C_DONE_CRECV, s_flag, /*peer_writes=*/false)) return;
-    if (threadIdx.x < n_dest) counts[threadIdx.x] = kEmpty;
-    if (threadIdx.x == 0) ctr[C_DONE_CRECV] = 0;
+    for (int t = threadIdx.x; t < a.num_tokens; t += blockDim.x) arrived[t] = 0;
+    if (threadIdx.x == 0) {
+        ctr[C_DONE_CRECV] = 0;
+        ctr[C_CRECV_ITEM] = 0;
+    }
 }
 
 }  // namespace
@@ -497,7 +556,16 @@ __device__ void combine_kernel(const long long* params, const CombineArgs& a, in
     const int round = *reinterpret_cast<volatile int*>(ep.counters() + C_COMB_ROUND);
     __syncthreads();
     if (phases & kPhaseNotify) phase_notify(ep, round);
-    if (phases & kPhaseSend) phase_send<TC>(ep, a, round, &s_flag);
+    // In one fused launch a share of the blocks only receive, so the sums overlap the incoming stream
+    // (CUEP_COMBINE_RECV_BLOCK_DIV: 1 / share of receive-only blocks; 0 = every block sends first).
+    // 4 x H200, N = 4096 bf16: 0: 535 us, 8: 547, 4: 537, 2: 571 (blocks done sending take up the receiving).
+#ifndef CUEP_COMBINE_RECV_BLOCK_DIV
+#define CUEP_COMBINE_RECV_BLOCK_DIV 0
+#endif
+    const bool fused = (phases & kPhaseSend) && (phases & kPhaseRecv);
+    const int recv_only =
+        (fused && CUEP_COMBINE_RECV_BLOCK_DIV > 0) ? static_cast<int>(gridDim.x) / CUEP_COMBINE_RECV_BLOCK_DIV : 0;
+    if (phases & kPhaseSend) phase_send<TC>(ep, a, round, &s_flag, static_cast<int>(gridDim.x) - recv_only);
     if (phases & kPhaseRecv) phase_recv<TC>(ep, a, &s_flag);
 }
 

@@ -4,9 +4,10 @@
 //
 // One kernel, three phases (bits of `phases`), so the fused call, the async/wait halves and ranks simulated on
 // one GPU share a single code path:
-//   notify  reserve every (token, k) row slot and (token, rank) message slot with atomics, then publish the
-//           histogram, the token count and the message count to every destination (the histograms are also the
-//           readiness handshake: a rank publishes only once its previous round is fully consumed)
+//   notify  reserve every (token, k) row slot with atomics and every (token, rank) message slot in token order,
+//           then publish the histogram, the token count and the message count to every destination (the
+//           histograms are also the readiness handshake: a rank publishes only once its previous round is fully
+//           consumed)
 //   send    wait for every rank's histogram, derive every destination's row layout, then one warp per token:
 //           encode it once (shared memory, or straight from x for bf16), store it to each destination rank, and
 //           set the message's ready tag last
@@ -133,10 +134,12 @@ __device__ __forceinline__ int rows_before_me(const EP& ep, const int* s_tally, 
 
 // ---- phases ---------------------------------------------------------------------------------------------------
 
-// Per-call scratch private to the rank: each choice's slot inside its (expert, my source index) block, and each
-// (token, destination rank)'s message slot. Filled by notify, read by send.
+// Per-call scratch private to the rank: each choice's slot inside its (expert, my source index) block, each
+// (token, destination rank)'s message slot, and each token's destination ranks (bit mask). Filled by notify, read
+// by send.
 __device__ __forceinline__ int* scratch_pos(const EP& ep) { return reinterpret_cast<int*>(ep.local(ep[P_OFF_SCRATCH])); }
 __device__ __forceinline__ int* scratch_slot(const EP& ep) { return scratch_pos(ep) + ep[P_MAX_TOKENS] * ep[P_TOP_K]; }
+__device__ __forceinline__ int* scratch_rank_masks(const EP& ep) { return scratch_slot(ep) + ep[P_MAX_TOKENS] * kMaxRanks; }
 
 // notify: one thread per (token, k). Reserve every slot with an atomic (the histogram is the slot counter),
 // then the last block publishes the histogram to every destination with the round's flag.
@@ -147,6 +150,7 @@ __device__ void phase_notify(const EP& ep, const DispatchArgs& a, int round, int
     int* hist = ctr + C_HIST;
     int* pos = scratch_pos(ep);
     int* slot = scratch_slot(ep);
+    int* masks = scratch_rank_masks(ep);
     // One warp per token, lane k = choice k: repeats and first choices per rank found with shuffles.
     const int lane = threadIdx.x % kWarp, n_warps = blockDim.x / kWarp;
     for (int t = (threadIdx.x / kWarp) * gridDim.x + blockIdx.x; t < a.num_tokens; t += gridDim.x * n_warps) {
@@ -169,27 +173,50 @@ __device__ void phase_notify(const EP& ep, const DispatchArgs& a, int round, int
             const int v = __shfl_sync(0xffffffffu, r, k2);
             if (k2 < lane && ((valid_mask >> k2) & 1u) && v == r) first = false;
         }
-        if (valid) {
-            pos[i] = atomicAdd(hist + e, 1);
-            // The first valid choice of its rank reserves the token's message slot at that rank.
-            if (first) slot[static_cast<long long>(t) * kMaxRanks + r] = atomicAdd(ctr + C_RANK_SLOT + r, 1);
-        }
+        if (valid) pos[i] = atomicAdd(hist + e, 1);
+        // The ranks the token goes to (one message each), for the slots below.
+        const unsigned to_ranks = __reduce_or_sync(0xffffffffu, first ? 1u << r : 0u);
+        if (lane == 0) masks[t] = static_cast<int>(to_ranks);
     }
     if (!last_block_done(ctr + C_DONE_NOTIFY, s_flag, /*peer_writes=*/false)) return;
-    // Last block: publish [hist | num_tokens | messages for you] to every destination's tally row for me, then
-    // the flag; re-arm the counters (send reads only the reserved slots in scratch).
+    // Last block. Message slots in token order: the slot of (t, r) is the number of earlier tokens that go to r
+    // (atomics gave them in scheduling order). Each destination then holds a source's messages in token order,
+    // and the combine, which goes through them in slot order, returns every source's tokens roughly in order.
+    const int R = static_cast<int>(ep[P_N_RANKS]);
+    __shared__ int s_scan8[32 * 8];
+    int n_msgs[8];
+    {
+        const int per = (a.num_tokens + blockDim.x - 1) / blockDim.x;
+        const int t0 = threadIdx.x * per, t1 = min(a.num_tokens, t0 + per);
+        int next[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int t = t0; t < t1; ++t) {
+            const unsigned m = static_cast<unsigned>(masks[t]);
+#pragma unroll
+            for (int r = 0; r < 8; ++r) next[r] += (m >> r) & 1u;
+        }
+        block_exclusive_scan8(next, R, s_scan8, n_msgs);
+        for (int t = t0; t < t1; ++t) {
+            const unsigned m = static_cast<unsigned>(masks[t]);
+#pragma unroll
+            for (int r = 0; r < 8; ++r)
+                if ((m >> r) & 1u) slot[static_cast<long long>(t) * kMaxRanks + r] = next[r]++;
+        }
+    }
+    // Publish [hist | num_tokens | messages for you] to every destination's tally row for me, then the flag;
+    // re-arm the histogram.
     const int par = round & 1, n_src = static_cast<int>(ep[P_N_SRC]), E1 = tally_len(ep);
     const int me = static_cast<int>(ep[P_SRC_INDEX]);
-    const int n_dest = ep[P_SKIP_A2A] ? 1 : static_cast<int>(ep[P_N_RANKS]);
+    const int n_dest = ep[P_SKIP_A2A] ? 1 : R;
     for (int d = 0; d < n_dest; ++d) {
         const int r = ep[P_SKIP_A2A] ? static_cast<int>(ep[P_RANK]) : d;
         int* dst = reinterpret_cast<int*>(ep.peer(r, ep[P_OFF_TALLY])) + (par * n_src + me) * E1;
-        for (int e = threadIdx.x; e < E1; e += blockDim.x)
-            dst[e] = e < E ? hist[e] : (e == E ? a.num_tokens : ctr[C_RANK_SLOT + r]);
+        int msgs = 0;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) msgs = i == r ? n_msgs[i] : msgs;
+        for (int e = threadIdx.x; e < E1; e += blockDim.x) dst[e] = e < E ? hist[e] : (e == E ? a.num_tokens : msgs);
     }
     __syncthreads();
     for (int e = threadIdx.x; e < E; e += blockDim.x) hist[e] = 0;
-    if (threadIdx.x < kMaxRanks) ctr[C_RANK_SLOT + threadIdx.x] = 0;
     if (threadIdx.x == 0) ctr[C_DONE_NOTIFY] = 0;
     __syncthreads();
     if (threadIdx.x < n_dest) {

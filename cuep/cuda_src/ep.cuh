@@ -42,9 +42,9 @@ enum Param : int {
     P_OFF_TALLY,
     P_OFF_HIST_FLAG,
     P_OFF_COMB_READY,
-    P_OFF_COMB_COUNT,
+    P_OFF_COMB_ARRIVED,
     P_OFF_COUNTERS,
-    P_OFF_SCRATCH,      // private: per-choice slots [T, K] and per-(token, rank) message slots [T, 8]
+    P_OFF_SCRATCH,      // private: per-choice slots [T, K], per-(token, rank) message slots [T, 8], rank masks [T]
     P_TIMEOUT_NS,
     P_ERR_PTR,          // ErrorRecord* in host-mapped memory
     P_PEER_BASE,        // 8 entries: base address of each rank's symmetric buffer
@@ -55,7 +55,7 @@ constexpr int kMaxRanks = 8;
 
 // Private int32 counters (offsets into the counters region).
 enum Counter : int {
-    C_RANK_SLOT = 0,      // [8]  messages reserved per destination rank
+    // 0-7: unused
     C_DISP_ROUND = 8,     // dispatch send rounds completed
     C_RECV_ROUND = 9,     // dispatch receive rounds completed
     C_COMB_ROUND = 10,    // combine send rounds completed
@@ -66,6 +66,7 @@ enum Counter : int {
     C_DONE_CSEND = 15,
     C_DONE_CRECV = 16,
     C_RECV_ITEM = 17,     // next receive work item to claim (dispatch receive phase)
+    C_CRECV_ITEM = 18,    // next receive work item to claim (combine receive phase)
     C_HIST = 32,          // [E] this round's expert histogram (atomics on it also reserve each choice's slot)
 };
 
