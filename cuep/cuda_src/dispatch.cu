@@ -51,20 +51,22 @@ __device__ __forceinline__ long long swizzle_row(const unsigned* s_tile_start, c
 
 // Write one row's scales (plain per-row bytes `src`) into the dispatch output layout; pad columns of swizzled
 // tiles are written as zero. Called by `nthreads` threads (a warp or a block), `tid` in [0, nthreads).
+// Only scale columns [b_lo, b_hi) (fp4: whole tiles of 4) when given.
 template <int FMT>
 __device__ void place_row_scales(const EP& ep, const DispatchArgs& a, long long row, long long scale_row,
-                                 const uint8_t* src, int tid, int nthreads) {
+                                 const uint8_t* src, int tid, int nthreads, int b_lo = 0, int b_hi = 1 << 30) {
     const int n_scales = static_cast<int>(ep[P_N_SCALES]);
     if constexpr (FMT == kFmtFp8) {
         float* out = static_cast<float*>(a.scales_out);
         const float* s = reinterpret_cast<const float*>(src);
-        for (int b = tid; b < n_scales; b += nthreads) out[static_cast<long long>(b) * ep[P_CAPACITY] + row] = s[b];
+        for (int b = b_lo + tid; b < min(n_scales, b_hi); b += nthreads)
+            out[static_cast<long long>(b) * ep[P_CAPACITY] + row] = s[b];
     } else if constexpr (FMT == kFmtNvfp4 || FMT == kFmtMxfp4) {
         // One 4-byte word per 128x4 tile (its 4 columns of this row are contiguous): a quarter of the stores of
         // byte-wise writes (each store goes to a sector other rows also write, which is what costs).
         uint8_t* out = static_cast<uint8_t*>(a.scales_out);
         const int k_tiles = static_cast<int>(ep[P_K_TILES]);
-        for (int kt = tid; kt < k_tiles; kt += nthreads) {
+        for (int kt = b_lo / kScaleTileCols + tid; kt < min(k_tiles, b_hi / kScaleTileCols); kt += nthreads) {
             uint32_t word = 0;
 #pragma unroll
             for (int i = 0; i < kScaleTileCols; ++i) {
@@ -74,6 +76,46 @@ __device__ void place_row_scales(const EP& ep, const DispatchArgs& a, long long 
             *reinterpret_cast<uint32_t*>(out + swizzled_scale_offset(scale_row, kt * kScaleTileCols, k_tiles)) = word;
         }
     }
+}
+
+// ---- message ready tags ----------------------------------------------------------------------------------
+// A message (one token for one destination) may be sent by several warps, one per chunk. Each chunk, after its
+// stores, adds to the message's 32-bit tag with a system-scope release: chunk 0 adds the round's stamp (bits
+// 16-31) and the chunk count (bits 8-15), every chunk adds 1 (bits 0-7). The message is complete when the stamp
+// is this round's and the count of chunks that landed equals the chunk count. The receiver re-arms the tags
+// (zero) at the end of its round, before it publishes the next round's histogram, so no sender adds to a tag
+// that is not zero-based.
+constexpr int kMaxChunks = 255;
+__device__ __forceinline__ unsigned message_stamp(int round) { return (static_cast<unsigned>(round) & 0x7FFFu) + 1u; }
+
+__device__ __forceinline__ void message_tag_add(int* tag, int round, int chunk, int n_chunks) {
+    const unsigned add = 1u + (chunk == 0 ? (message_stamp(round) << 16) | (static_cast<unsigned>(n_chunks) << 8) : 0u);
+    red_add_release_sys(tag, static_cast<int>(add));
+}
+
+__device__ __forceinline__ bool message_complete(unsigned v, int round) {
+    return (v >> 16) == message_stamp(round) && ((v >> 8) & 0xFFu) == (v & 0xFFu);
+}
+
+// Lane 0 spins (acquire, bounded) until the message's tag says it is complete; the warp barrier then orders every
+// lane's reads after it. Returns false (after recording the source) on timeout or once the rank has failed.
+__device__ __forceinline__ bool warp_wait_message(const int* tag, int round, const EP& ep, int src, int lane) {
+    int ok = 1;
+    if (lane == 0) {
+        const uint64_t t0 = global_timer_ns();
+        while (!message_complete(static_cast<unsigned>(load_acquire_sys_i32(tag)), round)) {
+            if (has_failed(ep)) { ok = 0; break; }
+            if (global_timer_ns() - t0 > static_cast<uint64_t>(ep[P_TIMEOUT_NS])) {
+                report_error(ep, kStatusTimeout, K_DISPATCH_RECV, -1, src);
+                ok = 0;
+                break;
+            }
+            __nanosleep(32);
+        }
+    }
+    ok = __shfl_sync(0xffffffffu, ok, 0);
+    __syncwarp();
+    return ok != 0;
 }
 
 // A tally row, one per (source, parity), written by the source into each destination:
@@ -267,12 +309,29 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
         });
     }
 
-    // 2. Tokens, one per warp at a time. Lane k holds top-k choice k.
+    // 2. Items (token, chunk of whole 256-value spans), one warp each; lane k holds top-k choice k. A prefill batch
+    // keeps one chunk (one warp) per token; a decode batch spreads each token over several warps (one warp
+    // storing a whole token to every destination was what a small batch waited for). Every chunk counts itself
+    // into the message's ready tag (message_tag_*), so the receiver knows when all of a message has landed.
     const int* pos = scratch_pos(ep);
     const int* slots = scratch_slot(ep);
     const long long T_max = ep[P_MAX_TOKENS];
-    // Consecutive tokens go to different blocks (SMs) first, so a small batch still spreads over the GPU.
-    for (int t = warp * send_blocks + blockIdx.x; t < a.num_tokens; t += send_blocks * n_warps) {
+    const int n_spans = (H + kWarpSpan - 1) / kWarpSpan;
+    const int spans_per_chunk = static_cast<int>(max(
+        chunk_units(a.num_tokens, n_spans, 1, static_cast<long long>(send_blocks) * n_warps),
+        static_cast<long long>((n_spans + kMaxChunks - 1) / kMaxChunks)));
+    const int n_chunks = (n_spans + spans_per_chunk - 1) / spans_per_chunk;
+    using S = typename FormatTraits<FMT>::Scale;
+    // Consecutive items go to different blocks (SMs) first, so a small batch still spreads over the GPU.
+    for (int item = warp * send_blocks + blockIdx.x; item < a.num_tokens * n_chunks; item += send_blocks * n_warps) {
+        const int t = item / n_chunks, ch = item % n_chunks;
+        const int c_lo = ch * spans_per_chunk * kWarpSpan, c_hi = min(H, c_lo + spans_per_chunk * kWarpSpan);
+        const bool last = ch == n_chunks - 1;
+        // the chunk's bytes of the payload and of the per-row scales (16- and 8-byte aligned)
+        const long long p_lo = payload_offset<FMT>(c_lo), p_hi = last ? pb : payload_offset<FMT>(c_hi);
+        const int s_lo = FMT == kFmtBf16 ? 0 : int(sizeof(S)) * (c_lo / max(1, FormatTraits<FMT>::kBlock));
+        const int s_hi = FMT == kFmtBf16 ? 0 : (last ? static_cast<int>(align_up(sb)) :
+                                                int(sizeof(S)) * (c_hi / max(1, FormatTraits<FMT>::kBlock)));
         const int* ids = a.topk_ids + static_cast<long long>(t) * K;
         int e = -1, r = -1, row = -1;
         float w = 0.f;
@@ -284,15 +343,15 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
             }
             if (a.topk_weights) w = a.topk_weights[static_cast<long long>(t) * K + lane];
         }
-        // Encode once: quantized formats (and bf16 from float32) into this warp's staging; bf16 straight from x.
+        // Encode the chunk once: quantized formats (and bf16 from float32) into this warp's staging, at the
+        // offsets of the whole row; bf16 goes straight from x.
         const T* x_row = static_cast<const T*>(a.x) + static_cast<long long>(t) * H;
         const uint8_t* payload;
         if constexpr (FMT == kFmtBf16 && sizeof(T) == 2) {
             payload = reinterpret_cast<const uint8_t*>(x_row);
         } else {
-            using S = typename FormatTraits<FMT>::Scale;
             const RowSource<T, FMT != kFmtBf16> src{x_row};
-            for (int col0 = 0; col0 < H; col0 += kWarpSpan) {
+            for (int col0 = c_lo; col0 < c_hi; col0 += kWarpSpan) {
                 if constexpr (FMT == kFmtBf16)
                     warp_quantize_span<FMT, 1>(src, col0, H, s_payload, NoScales{}, a.global_scale, lane);
                 else
@@ -313,32 +372,37 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
             const int first = __ffs(mask) - 1;
             const int first_row = __shfl_sync(0xffffffffu, row, first);
             const int slot = slots[static_cast<long long>(t) * kMaxRanks + d];
-            warp_copy16(ep.peer(d, ep[P_OFF_TOKENS]) + first_row * pb, payload, pb, lane);
+            warp_copy16(ep.peer(d, ep[P_OFF_TOKENS]) + first_row * pb + p_lo, payload + p_lo, p_hi - p_lo, lane);
             char* meta = ep.peer(d, ep[P_OFF_META]) + (me * T_max + slot) * ep[P_META_BYTES];
-            if (lane == 0) *reinterpret_cast<int*>(meta) = t;
-            if (lane < K) {
-                reinterpret_cast<uint16_t*>(meta + ep[P_META_IDS])[lane] = static_cast<uint16_t>(e);
-                reinterpret_cast<float*>(meta + ep[P_META_W])[lane] = w;
-                reinterpret_cast<int*>(meta + ep[P_META_ROWS])[lane] = r == d ? row : -1;
+            if (ch == 0) {
+                if (lane == 0) *reinterpret_cast<int*>(meta) = t;
+                if (lane < K) {
+                    reinterpret_cast<uint16_t*>(meta + ep[P_META_IDS])[lane] = static_cast<uint16_t>(e);
+                    reinterpret_cast<float*>(meta + ep[P_META_W])[lane] = w;
+                    reinterpret_cast<int*>(meta + ep[P_META_ROWS])[lane] = r == d ? row : -1;
+                }
             }
-            if (sb) warp_copy16(meta + ep[P_META_SCALES], s_scales, align_up(sb), lane);
-            // Ready tag last: the warp's stores above happen before it (warp barrier + system-scope release).
+            for (int b = s_lo + 8 * lane; b < s_hi; b += 8 * kWarp)
+                *reinterpret_cast<uint2*>(meta + ep[P_META_SCALES] + b) = *reinterpret_cast<const uint2*>(s_scales + b);
+            // The chunk counts itself into the ready tag last: the warp's stores above happen before it (warp
+            // barrier + system-scope release).
             __syncwarp();
-            if (lane == 0) store_release_sys_i32(reinterpret_cast<int*>(meta) + 1, round + 1);
+            if (lane == 0) message_tag_add(reinterpret_cast<int*>(meta) + 1, round, ch, n_chunks);
         }
         if (ep[P_SHARED]) {
             // My own token is row t of my shared-expert group 0 (its scales too).
             const long long srow = t;
-            warp_copy16(ep.local(ep[P_OFF_TOKENS]) + srow * pb, payload, pb, lane);
-            if (sb) place_row_scales<FMT>(ep, a, srow, srow, s_scales, lane, kWarp);
-            if (lane == 0) {
+            warp_copy16(ep.local(ep[P_OFF_TOKENS]) + srow * pb + p_lo, payload + p_lo, p_hi - p_lo, lane);
+            if (sb) place_row_scales<FMT>(ep, a, srow, srow, s_scales, lane, kWarp, s_lo / int(sizeof(S)),
+                                          last ? (1 << 30) : s_hi / int(sizeof(S)));
+            if (lane == 0 && ch == 0) {
                 a.src_info[2 * srow] = t;
                 a.src_info[2 * srow + 1] = K;
                 a.row_src[srow] = rank;
                 a.row_weight[srow] = 1.f;
             }
         }
-        __syncwarp();  // the staging is reused by the warp's next token
+        __syncwarp();  // the staging is reused by the warp's next item
     }
 
     }
@@ -431,7 +495,7 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
         int s, i, ch;
         if (!order.at(item, s, i, ch)) continue;
         const char* meta = ep.local(ep[P_OFF_META]) + (s * T_max + i) * ep[P_META_BYTES];
-        if (!warp_wait_tag(reinterpret_cast<const int*>(meta) + 1, round + 1, ep, K_DISPATCH_RECV, s, lane)) break;
+        if (!warp_wait_message(reinterpret_cast<const int*>(meta) + 1, round, ep, s, lane)) break;
         const int t = *reinterpret_cast<const int*>(meta);
         const uint8_t* scales = reinterpret_cast<const uint8_t*>(meta + ep[P_META_SCALES]);
         const int src_rank = ep[P_SKIP_A2A] ? rank : s;
@@ -528,8 +592,11 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
         }
     }
 
-    // Last block: advance the round.
+    // Last block: re-arm the ready tags of this round's messages, then advance the round.
     if (!last_block_done(ctr + C_DONE_RECV, s_flag, /*peer_writes=*/false)) return;
+    for (int s = 0; s < n_src; ++s)
+        for (int i = threadIdx.x; i < s_msg_count[s]; i += blockDim.x)
+            reinterpret_cast<int*>(ep.local(ep[P_OFF_META]) + (s * T_max + i) * ep[P_META_BYTES])[1] = 0;
     if (threadIdx.x == 0) {
         ctr[C_DONE_RECV] = 0;
         ctr[C_RECV_ITEM] = 0;

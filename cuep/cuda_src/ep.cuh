@@ -116,8 +116,10 @@ __device__ __forceinline__ bool has_failed(const EP& ep) {
 // Split each of `items` rows of `unit_count` units into chunks so the grid's warps all get work: one chunk per
 // item when items outnumber warps (prefill), up to one unit per lane-step when they are few (decode).
 // Returns the chunk size in units, a multiple of `align_units`.
-__device__ __forceinline__ long long chunk_units(long long items, long long unit_count, long long align_units) {
-    const long long warps = static_cast<long long>(gridDim.x) * (blockDim.x / kWarp);
+// `warps`: the warps sharing the items (default: the whole grid).
+__device__ __forceinline__ long long chunk_units(long long items, long long unit_count, long long align_units,
+                                                 long long warps = 0) {
+    if (warps <= 0) warps = static_cast<long long>(gridDim.x) * (blockDim.x / kWarp);
     long long n = items > 0 ? warps / items : 1;
     n = n < 1 ? 1 : n;
     const long long max_n = (unit_count + align_units - 1) / align_units;
