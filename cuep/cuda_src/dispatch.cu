@@ -20,6 +20,10 @@
 using namespace cuep;
 
 constexpr int kDispatchThreads = 512;
+#ifndef CUEP_DISPATCH_ENCODE_STEPS
+#define CUEP_DISPATCH_ENCODE_STEPS 4
+#endif
+constexpr int kEncodeSteps = CUEP_DISPATCH_ENCODE_STEPS;  // 256-value spans per encode step of a sending warp
 
 namespace {
 
@@ -350,13 +354,22 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
         if constexpr (FMT == kFmtBf16 && sizeof(T) == 2) {
             payload = reinterpret_cast<const uint8_t*>(x_row);
         } else {
+            // Four spans per step while they last (4 loads in flight per lane: one span at a time left the
+            // encode waiting on each load), then one at a time.
             const RowSource<T, FMT != kFmtBf16> src{x_row};
-            for (int col0 = c_lo; col0 < c_hi; col0 += kWarpSpan) {
+            const RowScales<S> row_scales{reinterpret_cast<S*>(s_scales)};
+            int col0 = c_lo;
+            for (; col0 + kEncodeSteps * kWarpSpan <= c_hi; col0 += kEncodeSteps * kWarpSpan) {
+                if constexpr (FMT == kFmtBf16)
+                    warp_quantize_span<FMT, kEncodeSteps>(src, col0, H, s_payload, NoScales{}, a.global_scale, lane);
+                else
+                    warp_quantize_span<FMT, kEncodeSteps>(src, col0, H, s_payload, row_scales, a.global_scale, lane);
+            }
+            for (; col0 < c_hi; col0 += kWarpSpan) {
                 if constexpr (FMT == kFmtBf16)
                     warp_quantize_span<FMT, 1>(src, col0, H, s_payload, NoScales{}, a.global_scale, lane);
                 else
-                    warp_quantize_span<FMT, 1>(src, col0, H, s_payload, RowScales<S>{reinterpret_cast<S*>(s_scales)},
-                                               a.global_scale, lane);
+                    warp_quantize_span<FMT, 1>(src, col0, H, s_payload, row_scales, a.global_scale, lane);
             }
             payload = s_payload;
             __syncwarp();
