@@ -291,6 +291,7 @@ __device__ bool send_items(const EP& ep, const CombineArgs& a, int round, int se
     const uint64_t* ready = reinterpret_cast<const uint64_t*>(ep.local(ep[P_OFF_COMB_READY])) + dest_rank(ep, 0);
     if (!block_wait_flags_eq(ready, n_dest, static_cast<uint64_t>(round) + 1, ep, K_COMBINE_SEND, &s_ok))
         return false;
+    CUEP_TRACE(ep, blockIdx.x == 0, 13);
 
     const TC* eo = static_cast<const TC*>(a.expert_out);
     const int n_vec = H / 8;
@@ -421,7 +422,9 @@ template <typename TC>
 __device__ void phase_send(const EP& ep, const CombineArgs& a, int round, int* s_flag, int send_blocks) {
     int* ctr = ep.counters();
     if (static_cast<int>(blockIdx.x) < send_blocks && !send_items<TC>(ep, a, round, send_blocks)) return;
+    CUEP_TRACE(ep, blockIdx.x == 0, 14);
     if (!last_block_done(ctr + C_DONE_CSEND, s_flag, /*peer_writes=*/false)) return;
+    CUEP_TRACE(ep, true, 15);
     if (threadIdx.x == 0) {
         ctr[C_DONE_CSEND] = 0;
         ctr[C_COMB_ROUND] = round + 1;
@@ -536,6 +539,7 @@ __device__ void phase_recv(const EP& ep, const CombineArgs& a, int* s_flag) {
         }
     }
     if (!ok) return;
+    CUEP_TRACE(ep, blockIdx.x == gridDim.x - 1, 16);
     // Last block: re-arm the arrival counts (every sender of this round is done with them: each token's count
     // was complete) and the item counter.
     if (!last_block_done(ctr + C_DONE_CRECV, s_flag, /*peer_writes=*/false)) return;
@@ -544,6 +548,7 @@ __device__ void phase_recv(const EP& ep, const CombineArgs& a, int* s_flag) {
         ctr[C_DONE_CRECV] = 0;
         ctr[C_CRECV_ITEM] = 0;
     }
+    CUEP_TRACE(ep, true, 17);
 }
 
 }  // namespace
@@ -555,6 +560,7 @@ __device__ void combine_kernel(const long long* params, const CombineArgs& a, in
     if (has_failed(ep)) return;
     const int round = *reinterpret_cast<volatile int*>(ep.counters() + C_COMB_ROUND);
     __syncthreads();
+    CUEP_TRACE(ep, blockIdx.x == 0, 12);
     if (phases & kPhaseNotify) phase_notify(ep, round);
     // In one fused launch a share of the blocks only receive, so the sums overlap the incoming stream
     // (CUEP_COMBINE_RECV_BLOCK_DIV: 1 / share of receive-only blocks; 0 = every block sends first).

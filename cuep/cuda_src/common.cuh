@@ -78,6 +78,9 @@ __device__ __forceinline__ void store_release_sys_i32(int* p, int v) {
     asm volatile("st.release.sys.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 __device__ __forceinline__ void fence_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+__device__ __forceinline__ void red_add_relaxed_sys(int* p, int v) {
+    asm volatile("red.relaxed.sys.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
 __device__ __forceinline__ void red_add_release_sys(int* p, int v) {
     asm volatile("red.release.sys.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
@@ -118,41 +121,6 @@ __device__ __forceinline__ int block_inclusive_scan(int v, int* scratch, int* to
     __syncthreads();
     if (total) *total = scratch[nwarps - 1];
     return v + (warp > 0 ? scratch[warp - 1] : 0);
-}
-
-// Exclusive scan of up to 8 ints per thread (v[0..n)) over the whole block, all n at once (one pass, two
-// barriers). `scratch`: 32 x 8 ints of shared memory. v[i] becomes this thread's exclusive prefix; total[i] the
-// block sum.
-__device__ __forceinline__ void block_exclusive_scan8(int (&v)[8], int n, int* scratch, int (&total)[8]) {
-    const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, nwarps = blockDim.x / kWarp;
-    int incl[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        incl[i] = i < n ? v[i] : 0;
-#pragma unroll
-        for (int o = 1; o < kWarp; o <<= 1) {
-            const int x = __shfl_up_sync(0xffffffffu, incl[i], o);
-            if (lane >= o) incl[i] += x;
-        }
-    }
-    __syncthreads();  // scratch may still be read by a previous call
-    if (lane == kWarp - 1) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) scratch[warp * 8 + i] = incl[i];
-    }
-    __syncthreads();
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        if (i >= n) break;
-        int before = 0, all = 0;
-        for (int w = 0; w < nwarps; ++w) {
-            const int x = scratch[w * 8 + i];
-            before += w < warp ? x : 0;
-            all += x;
-        }
-        v[i] = before + incl[i] - v[i];
-        total[i] = all;
-    }
 }
 
 // ---- bounded spin --------------------------------------------------------------------------------------

@@ -84,7 +84,7 @@ __device__ void place_row_scales(const EP& ep, const DispatchArgs& a, long long 
 
 // ---- message ready tags ----------------------------------------------------------------------------------
 // A message (one token for one destination) may be sent by several warps, one per chunk. Each chunk, after its
-// stores, adds to the message's 32-bit tag with a system-scope release: chunk 0 adds the round's stamp (bits
+// stores, adds to the message's 32-bit tag (system-scope fence, then the add): chunk 0 adds the round's stamp (bits
 // 16-31) and the chunk count (bits 8-15), every chunk adds 1 (bits 0-7). The message is complete when the stamp
 // is this round's and the count of chunks that landed equals the chunk count. The receiver re-arms the tags
 // (zero) at the end of its round, before it publishes the next round's histogram, so no sender adds to a tag
@@ -92,9 +92,10 @@ __device__ void place_row_scales(const EP& ep, const DispatchArgs& a, long long 
 constexpr int kMaxChunks = 255;
 __device__ __forceinline__ unsigned message_stamp(int round) { return (static_cast<unsigned>(round) & 0x7FFFu) + 1u; }
 
+// After a system-scope fence that orders the chunk's stores before it.
 __device__ __forceinline__ void message_tag_add(int* tag, int round, int chunk, int n_chunks) {
     const unsigned add = 1u + (chunk == 0 ? (message_stamp(round) << 16) | (static_cast<unsigned>(n_chunks) << 8) : 0u);
-    red_add_release_sys(tag, static_cast<int>(add));
+    red_add_relaxed_sys(tag, static_cast<int>(add));
 }
 
 __device__ __forceinline__ bool message_complete(unsigned v, int round) {
@@ -224,28 +225,54 @@ __device__ void phase_notify(const EP& ep, const DispatchArgs& a, int round, int
         const unsigned to_ranks = __reduce_or_sync(0xffffffffu, first ? 1u << r : 0u);
         if (lane == 0) masks[t] = static_cast<int>(to_ranks);
     }
+    CUEP_TRACE(ep, blockIdx.x == 0, 1);
     if (!last_block_done(ctr + C_DONE_NOTIFY, s_flag, /*peer_writes=*/false)) return;
     // Last block. Message slots in token order: the slot of (t, r) is the number of earlier tokens that go to r
     // (atomics gave them in scheduling order). Each destination then holds a source's messages in token order,
     // and the combine, which goes through them in slot order, returns every source's tokens roughly in order.
     const int R = static_cast<int>(ep[P_N_RANKS]);
-    __shared__ int s_scan8[32 * 8];
-    int n_msgs[8];
+    int n_msgs[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // messages to each rank so far, then in all
     {
-        const int per = (a.num_tokens + blockDim.x - 1) / blockDim.x;
-        const int t0 = threadIdx.x * per, t1 = min(a.num_tokens, t0 + per);
-        int next[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        for (int t = t0; t < t1; ++t) {
-            const unsigned m = static_cast<unsigned>(masks[t]);
+        // Each warp takes a contiguous range of kBatch x 32 tokens per pass (lane = token; coalesced loads, all
+        // issued at once): per-rank counts by ballot, a prefix over the warps, then the slots. (One thread per
+        // contiguous range, loading its tokens one by one, took 15 us at N = 4096.)
+        constexpr int kBatch = 8;
+        __shared__ int s_counts[32 * 8];
+        const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, n_warps = blockDim.x / kWarp;
+        const unsigned lanes_before = (1u << lane) - 1u;
+        for (int base = 0; base < a.num_tokens; base += kBatch * kWarp * n_warps) {
+            const int t0 = base + warp * kBatch * kWarp + lane;
+            unsigned m[kBatch];
 #pragma unroll
-            for (int r = 0; r < 8; ++r) next[r] += (m >> r) & 1u;
-        }
-        block_exclusive_scan8(next, R, s_scan8, n_msgs);
-        for (int t = t0; t < t1; ++t) {
-            const unsigned m = static_cast<unsigned>(masks[t]);
+            for (int j = 0; j < kBatch; ++j) m[j] = t0 + j * kWarp < a.num_tokens ? masks[t0 + j * kWarp] : 0u;
+            __syncthreads();  // the previous pass is done with s_counts
 #pragma unroll
-            for (int r = 0; r < 8; ++r)
-                if ((m >> r) & 1u) slot[static_cast<long long>(t) * kMaxRanks + r] = next[r]++;
+            for (int r = 0; r < 8; ++r) {
+                int c = 0;
+#pragma unroll
+                for (int j = 0; j < kBatch; ++j) c += __popc(__ballot_sync(0xffffffffu, (m[j] >> r) & 1u));
+                if (lane == 0) s_counts[warp * 8 + r] = c;
+            }
+            __syncthreads();
+#pragma unroll
+            for (int r = 0; r < 8; ++r) {
+                if (r >= R) break;
+                int run = n_msgs[r], total = 0;
+                for (int w = 0; w < n_warps; ++w) {
+                    const int c = s_counts[w * 8 + r];
+                    run += w < warp ? c : 0;
+                    total += c;
+                }
+#pragma unroll
+                for (int j = 0; j < kBatch; ++j) {
+                    const bool to_r = (m[j] >> r) & 1u;
+                    const unsigned b = __ballot_sync(0xffffffffu, to_r);
+                    if (to_r)
+                        slot[static_cast<long long>(t0 + j * kWarp) * kMaxRanks + r] = run + __popc(b & lanes_before);
+                    run += __popc(b);
+                }
+                n_msgs[r] += total;
+            }
         }
     }
     // Publish [hist | num_tokens | messages for you] to every destination's tally row for me, then the flag;
@@ -271,6 +298,7 @@ __device__ void phase_notify(const EP& ep, const DispatchArgs& a, int round, int
         uint64_t* flag = reinterpret_cast<uint64_t*>(ep.peer(r, ep[P_OFF_HIST_FLAG])) + par * n_src + me;
         store_release_u64(flag, static_cast<uint64_t>(round) + 1);
     }
+    CUEP_TRACE(ep, true, 2);
 }
 
 // send: every rank's layout from the histograms, then one warp per token: encode it once (shared memory, or
@@ -294,6 +322,7 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
     // 1. Every source's histogram of this round (also: every destination is ready for it).
     const uint64_t* flags = reinterpret_cast<const uint64_t*>(ep.local(ep[P_OFF_HIST_FLAG])) + par * n_src;
     if (!block_wait_flags_eq(flags, n_src, static_cast<uint64_t>(round) + 1, ep, K_DISPATCH_SEND, &s_ok)) return;
+    CUEP_TRACE(ep, blockIdx.x == 0, 3);
     // shared memory: tallies | per-expert bases | one encoded token per warp (16-byte aligned parts)
     int* s_tally = reinterpret_cast<int*>(smem);
     const long long tally_bytes = align_up(4LL * n_src * tally_len(ep));
@@ -313,6 +342,7 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
         });
     }
 
+    CUEP_TRACE(ep, blockIdx.x == 0, 4);
     // 2. Items (token, chunk of whole 256-value spans), one warp each; lane k holds top-k choice k. A prefill batch
     // keeps one chunk (one warp) per token; a decode batch spreads each token over several warps (one warp
     // storing a whole token to every destination was what a small batch waited for). Every chunk counts itself
@@ -378,10 +408,12 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
         // destination at once. With d = 0, 1, ... in every warp, all GPUs began by writing to rank 0, one
         // destination took three GPUs' traffic at a time, and the 4-GPU send half ran at 210 GB/s against the
         // 350 GB/s of an all-to-all copy kernel.
+        unsigned sent = 0;  // destinations of this item
         for (int i = 0; i < R; ++i) {
             const int d = (t + rank + i) % R;
             const unsigned mask = __ballot_sync(0xffffffffu, r == d);
             if (!mask) continue;
+            sent |= 1u << d;
             const int first = __ffs(mask) - 1;
             const int first_row = __shfl_sync(0xffffffffu, row, first);
             const int slot = slots[static_cast<long long>(t) * kMaxRanks + d];
@@ -397,10 +429,19 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
             }
             for (int b = s_lo + 8 * lane; b < s_hi; b += 8 * kWarp)
                 *reinterpret_cast<uint2*>(meta + ep[P_META_SCALES] + b) = *reinterpret_cast<const uint2*>(s_scales + b);
-            // The chunk counts itself into the ready tag last: the warp's stores above happen before it (warp
-            // barrier + system-scope release).
-            __syncwarp();
-            if (lane == 0) message_tag_add(reinterpret_cast<int*>(meta) + 1, round, ch, n_chunks);
+        }
+        // The chunk counts itself into each destination's ready tag last: the warp's stores above happen before
+        // the tags (warp barrier, then one system-scope fence for all destinations: a release per destination
+        // waited for each destination's stores in turn, 5 us of a 2-GPU decode dispatch).
+        __syncwarp();
+        if (lane == 0 && sent) {
+            fence_sys();
+            for (unsigned m = sent; m; m &= m - 1) {
+                const int d = __ffs(m) - 1;
+                const int slot = slots[static_cast<long long>(t) * kMaxRanks + d];
+                char* meta = ep.peer(d, ep[P_OFF_META]) + (me * T_max + slot) * ep[P_META_BYTES];
+                message_tag_add(reinterpret_cast<int*>(meta) + 1, round, ch, n_chunks);
+            }
         }
         if (ep[P_SHARED]) {
             // My own token is row t of my shared-expert group 0 (its scales too).
@@ -418,10 +459,12 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
         __syncwarp();  // the staging is reused by the warp's next item
     }
 
+    CUEP_TRACE(ep, blockIdx.x == 0, 5);
     }
 done:
     // 3. Last block: advance the round (every message already carries its own ready tag).
     if (!last_block_done(ctr + C_DONE_SEND, s_flag, /*peer_writes=*/false)) return;
+    CUEP_TRACE(ep, true, 6);
     if (threadIdx.x == 0) {
         ctr[C_DONE_SEND] = 0;
         ctr[C_DISP_ROUND] = round + 1;
@@ -467,7 +510,8 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
         s_offsets[sh + l] = start;
         if (l == L - 1) s_offsets[sh + L] = start + size;
     });
-    if (threadIdx.x == 0) {  // 128-row scale tiles: each group starts a fresh one
+    constexpr bool kTiled = FMT == kFmtNvfp4 || FMT == kFmtMxfp4;
+    if (kTiled && threadIdx.x == 0) {  // 128-row scale tiles (fp4): each group starts a fresh one
         unsigned tiles = 0;
         for (int g = 0; g < G; ++g) {
             s_tiles[g] = tiles;
@@ -480,12 +524,13 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
             a.row_offsets[g] = s_offsets[g];
             if (g < G) {
                 a.expert_ids[g] = sh ? (g == 0 ? L : g - 1) : g;
-                if (a.scales_offsets) a.scales_offsets[g] = s_tiles[g] - s_offsets[g] / kScaleTileRows;
+                if (kTiled && a.scales_offsets) a.scales_offsets[g] = s_tiles[g] - s_offsets[g] / kScaleTileRows;
             }
         }
         if (threadIdx.x < n_src) a.msg_count[threadIdx.x] = s_tally[threadIdx.x * E1 + E + 1];
     }
 
+    CUEP_TRACE(ep, blockIdx.x == gridDim.x - 1, 7);
     // Messages, one warp each: metadata, scales, and the copies for the other local experts the token chose.
     char* tokens = ep.local(ep[P_OFF_TOKENS]);
     const int total = s_msg_total;
@@ -563,12 +608,14 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
             const int rk = __shfl_sync(0xffffffffu, row, k);
             const int g = sh + __shfl_sync(0xffffffffu, id, k) - rank * L;
             if (ep[P_SCALE_BYTES])
-                place_row_scales<FMT>(ep, a, rk, swizzle_row(s_tiles, s_offsets, g, rk), scales, lane, kWarp);
+                place_row_scales<FMT>(ep, a, rk, kTiled ? swizzle_row(s_tiles, s_offsets, g, rk) : rk, scales, lane,
+                                      kWarp);
             if (k != first)
                 warp_copy16(tokens + rk * pb, tokens + first_row * pb, min(static_cast<long long>(kFanoutChunk), pb), lane);
         }
     }
 
+    CUEP_TRACE(ep, blockIdx.x == gridDim.x - 1, 8);
     // Padding: fp8 rows up to each group's multiple of 4; fp4 scale tiles past each group's last row.
     for (int g = blockIdx.x; g < G; g += gridDim.x) {
         const unsigned begin = s_offsets[g], end = s_offsets[g + 1];
@@ -605,6 +652,7 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
         }
     }
 
+    CUEP_TRACE(ep, blockIdx.x == gridDim.x - 1, 9);
     // Last block: re-arm the ready tags of this round's messages, then advance the round.
     if (!last_block_done(ctr + C_DONE_RECV, s_flag, /*peer_writes=*/false)) return;
     for (int s = 0; s < n_src; ++s)
@@ -615,6 +663,7 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
         ctr[C_RECV_ITEM] = 0;
         ctr[C_RECV_ROUND] = round + 1;
     }
+    CUEP_TRACE(ep, true, 10);
 }
 
 }  // namespace
@@ -630,6 +679,7 @@ __device__ void dispatch_kernel(const long long* params, DispatchArgs a, int pha
     const int send_round = *reinterpret_cast<volatile int*>(ctr + C_DISP_ROUND);
     const int recv_round = *reinterpret_cast<volatile int*>(ctr + C_RECV_ROUND);
     __syncthreads();
+    CUEP_TRACE(ep, blockIdx.x == 0, 0);
     if (phases & kPhaseNotify) phase_notify(ep, a, send_round, &s_flag);
     // In one fused launch half of the blocks only receive, so the fan-out runs while tokens are still being sent
     // (CUEP_RECV_BLOCK_DIV: 1 / share of receive-only blocks; 0 = every block sends first). 2 x H200, N = 4096

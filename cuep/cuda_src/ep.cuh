@@ -93,6 +93,21 @@ struct EP {
     __device__ __forceinline__ ErrorRecord* err() const { return reinterpret_cast<ErrorRecord*>(p[P_ERR_PTR]); }
 };
 
+// Measurement knob (CUEP_EXTRA_DEFINES="CUEP_AB_TRACE=1"; off: no code): thread 0 of one block records the low
+// 32 bits of %globaltimer (ns) at the phase boundaries into 32 int32 counters after the histogram;
+// scripts/trace_ep.py reads them. Points: dispatch 0-10, combine 12-17 (listed in that script).
+#ifdef CUEP_AB_TRACE
+#define CUEP_TRACE(ep, when, i)                                                                             \
+    do {                                                                                                 \
+        if (threadIdx.x == 0 && (when))                                                                  \
+            (ep).counters()[C_HIST + (ep)[P_N_EXPERTS] + (i)] = static_cast<int>(global_timer_ns());      \
+    } while (0)
+#else
+#define CUEP_TRACE(ep, when, i) \
+    do {                        \
+    } while (0)
+#endif
+
 // Record an error once per rank: the first reporter wins the device-side flag and writes the host-mapped record
 // (plain stores; the host reads it without synchronising). Later kernels of the rank see the flag and return.
 __device__ __forceinline__ void report_error(const EP& ep, int status, int kernel, int expert, int src_rank) {

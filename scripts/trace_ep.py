@@ -1,0 +1,83 @@
+"""Where the time of one dispatch and one combine goes inside the kernels (development aid; decode shapes).
+
+Needs the measurement knob: CUEP_EXTRA_DEFINES="CUEP_AB_TRACE=1" python scripts/trace_ep.py [--tokens 128]
+[--format bf16] [--rounds 30]. Every round starts all GPUs together behind cuep.bench's start gate; thread 0 of
+one block per phase records %globaltimer at the points below (ep.cuh: CUEP_TRACE); the table gives the median
+over rounds of each point's time after the kernel's first point, per rank (us).
+"""
+import argparse
+
+import cupy
+import numpy as np
+
+import cuep
+from cuep.bench import cases, timing
+
+POINTS = {
+    0: "dispatch entry (block 0)", 1: "notify: block 0's tokens done", 2: "notify: last block published",
+    3: "send: histograms acquired (block 0)", 4: "send: layout done (block 0)", 5: "send: block 0's items done",
+    6: "send: last block done", 7: "recv: layout done (last block)", 8: "recv: last block's items done",
+    9: "recv: padding done (last block)", 10: "recv: last block re-armed, round over",
+    12: "combine entry (block 0)", 13: "send: destinations ready (block 0)", 14: "send: block 0's items done",
+    15: "send: last block done", 16: "recv: last block's tokens done", 17: "recv: last block re-armed, over",
+}
+
+
+def read_trace(buf, r):
+    cfg = buf.cfg
+    off = cfg.buffer_regions["counters"][0] + 4 * (32 + cfg.n_experts)
+    out = np.zeros(32, dtype=np.uint32)
+    with cupy.cuda.Device(r.device):
+        cupy.cuda.runtime.memcpy(out.ctypes.data, r.base + off, 128, cupy.cuda.runtime.memcpyDeviceToHost)
+        cupy.cuda.runtime.memset(r.base + off, 0, 128)
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--format", default="bf16")
+    p.add_argument("--rounds", type=int, default=30)
+    a = p.parse_args()
+    g = cuep.init()
+    cfg = cuep.EPConfig(7168, 8, 256, a.tokens, g.n_ranks, dispatch_format=a.format)
+    buf = cuep.Buffer(g, cfg)
+    inp = cases.make_inputs(g.devices, a.tokens, 7168, 8, 256, n_sets=1)
+    xs, ids, ws = inp.x[0], inp.ids[0], inp.weights[0]
+    eo = []
+    for d in g.devices:
+        with cupy.cuda.Device(d):
+            eo.append(cases.random_bf16(cupy.random.default_rng(d), (cfg.capacity, 7168), octaves=False))
+    gate = timing.StartGate(g.devices)
+    traces = {(r.rank, op): [] for r in buf._ranks for op in ("d", "c")}
+    d = None
+    for i in range(a.rounds + 3):
+        for op in ("d", "c"):
+            gate.launch()
+            if op == "d":
+                d = cuep.dispatch(buf, xs, ids, ws)
+            else:
+                cuep.combine(buf, eo, d)
+            gate.release()
+            timing.synchronize(g.devices)
+            buf.check()
+            for r in buf._ranks:
+                t = read_trace(buf, r)
+                if i >= 3:
+                    traces[r.rank, op].append(t)
+    gate.close()
+    print(f"{g.n_ranks} GPUs, N={a.tokens}, {a.format}: median us after the kernel's first point, per rank")
+    print(f"{'point':45s}" + "".join(f"  rank {r.rank:d}" for r in buf._ranks))
+    for op, first, pts in (("d", 0, range(0, 11)), ("c", 12, range(12, 18))):
+        for k in pts:
+            row = []
+            for r in buf._ranks:
+                ts = np.array(traces[r.rank, op])
+                dt = ((ts[:, k] - ts[:, first]) & 0xFFFFFFFF).astype(np.int64)
+                ok = ts[:, k] != 0
+                row.append(f"{np.median(dt[ok]) / 1e3:8.1f}" if ok.any() else "       -")
+            print(f"{k:2d} {POINTS[k]:42s}" + "".join(row))
+
+
+if __name__ == "__main__":
+    main()
