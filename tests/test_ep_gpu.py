@@ -24,7 +24,9 @@ def make(devices, **kw):
 def groups():
     out = [pytest.param([0], id="gpu1", marks=pytest.mark.gpu),  # one real rank: the fused single-launch path
            pytest.param([0, 0], id="sim2", marks=pytest.mark.gpu),
-           pytest.param([0, 0, 0, 0], id="sim4", marks=pytest.mark.gpu)]
+           pytest.param([0, 0, 0, 0], id="sim4", marks=pytest.mark.gpu),
+           # eight ranks (the field's EP size, kMaxRanks) on one GPU: every 8-wide table and rank mask in use
+           pytest.param([0] * 8, id="sim8", marks=pytest.mark.gpu)]
     for n in (2, 4, 8):
         out.append(pytest.param(list(range(n)), id=f"gpu{n}",
                                 marks=[pytest.mark.multigpu,
