@@ -144,3 +144,32 @@ def test_tuning_value_follows_extra_defines(monkeypatch):
     assert _kernels.tuning_value("CUEP_SILU_STAGES", 2) == 3
     assert _kernels.tuning_value("CUEP_FLAG", 0) == 1
     assert _kernels.tuning_value("CUEP_COMBINE_RING", 2) == 2
+
+
+# The measurement knobs and tuning overrides the kernels accept through CUEP_EXTRA_DEFINES (BENCHMARKS.md and
+# docs/PERF-NOTES.md quote runs with them): each must still compile, warnings as errors, so an A/B run on the GPU
+# machine never starts with a broken build.
+KNOBS = [
+    ("dispatch.cu", "CUEP_AB_TRACE=1"),
+    ("dispatch.cu", "CUEP_RECV_BLOCK_DIV=0"),
+    ("dispatch.cu", "CUEP_RECV_BLOCK_DIV=4"),
+    ("dispatch.cu", "CUEP_DISPATCH_ENCODE_STEPS=1"),
+    ("combine.cu", "CUEP_AB_TRACE=1"),
+    ("combine.cu", "CUEP_AB_COMBINE_LOCAL=1"),
+    ("combine.cu", "CUEP_AB_COMBINE_NO_LOADS=1"),
+    ("combine.cu", "CUEP_COMBINE_RECV_BLOCK_DIV=4"),
+    ("combine.cu", "CUEP_COMBINE_RING=1"),
+    ("silu.cu", "CUEP_AB_NO_SCALE_STORES=1"),
+]
+
+
+@pytest.mark.parametrize("filename, define", KNOBS, ids=[f"{f}:{d}" for f, d in KNOBS])
+def test_knobs_compile(nvcc, filename, define, tmp_path, monkeypatch):
+    monkeypatch.setenv("CUEP_EXTRA_DEFINES", define)
+    cmd = _kernels.nvcc_command(filename, out=str(tmp_path / "k.cubin"))
+    assert f"-D{define}" in cmd
+    cmd[0] = nvcc
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    msg = (res.stdout + res.stderr).strip()
+    assert res.returncode == 0, f"{' '.join(cmd)}\n{msg}"
+    assert "warning" not in msg.lower(), msg

@@ -687,8 +687,12 @@ __device__ void dispatch_kernel(const long long* params, DispatchArgs a, int pha
 #ifndef CUEP_RECV_BLOCK_DIV
 #define CUEP_RECV_BLOCK_DIV 2
 #endif
+#if CUEP_RECV_BLOCK_DIV > 0
     const bool fused = (phases & kPhaseSend) && (phases & kPhaseRecv);
-    const int recv_only = (fused && CUEP_RECV_BLOCK_DIV > 0) ? static_cast<int>(gridDim.x) / CUEP_RECV_BLOCK_DIV : 0;
+    const int recv_only = fused ? static_cast<int>(gridDim.x) / CUEP_RECV_BLOCK_DIV : 0;
+#else
+    const int recv_only = 0;
+#endif
     if (phases & kPhaseSend) phase_send<FMT, T>(ep, a, send_round, smem, &s_flag, static_cast<int>(gridDim.x) - recv_only);
     if (phases & kPhaseRecv) phase_recv<FMT>(ep, a, recv_round, smem, &s_flag);
 }
