@@ -568,13 +568,8 @@ __device__ void combine_kernel(const long long* params, const CombineArgs& a, in
 #ifndef CUEP_COMBINE_RECV_BLOCK_DIV
 #define CUEP_COMBINE_RECV_BLOCK_DIV 0
 #endif
-#if CUEP_COMBINE_RECV_BLOCK_DIV > 0
-    const bool fused = (phases & kPhaseSend) && (phases & kPhaseRecv);
-    const int recv_only = fused ? static_cast<int>(gridDim.x) / CUEP_COMBINE_RECV_BLOCK_DIV : 0;
-#else
-    const int recv_only = 0;
-#endif
-    if (phases & kPhaseSend) phase_send<TC>(ep, a, round, &s_flag, static_cast<int>(gridDim.x) - recv_only);
+    if (phases & kPhaseSend)
+        phase_send<TC>(ep, a, round, &s_flag, send_block_count(phases, CUEP_COMBINE_RECV_BLOCK_DIV));
     if (phases & kPhaseRecv) phase_recv<TC>(ep, a, &s_flag);
 }
 

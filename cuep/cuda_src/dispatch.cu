@@ -102,27 +102,6 @@ __device__ __forceinline__ bool message_complete(unsigned v, int round) {
     return (v >> 16) == message_stamp(round) && ((v >> 8) & 0xFFu) == (v & 0xFFu);
 }
 
-// Lane 0 spins (acquire, bounded) until the message's tag says it is complete; the warp barrier then orders every
-// lane's reads after it. Returns false (after recording the source) on timeout or once the rank has failed.
-__device__ __forceinline__ bool warp_wait_message(const int* tag, int round, const EP& ep, int src, int lane) {
-    int ok = 1;
-    if (lane == 0) {
-        const uint64_t t0 = global_timer_ns();
-        while (!message_complete(static_cast<unsigned>(load_acquire_sys_i32(tag)), round)) {
-            if (has_failed(ep)) { ok = 0; break; }
-            if (global_timer_ns() - t0 > static_cast<uint64_t>(ep[P_TIMEOUT_NS])) {
-                report_error(ep, kStatusTimeout, K_DISPATCH_RECV, -1, src);
-                ok = 0;
-                break;
-            }
-            __nanosleep(32);
-        }
-    }
-    ok = __shfl_sync(0xffffffffu, ok, 0);
-    __syncwarp();
-    return ok != 0;
-}
-
 // A tally row, one per (source, parity), written by the source into each destination:
 // [tokens the source sends to each expert (E) | the source's token count | messages it sends to this destination].
 __device__ __forceinline__ int tally_len(const EP& ep) { return static_cast<int>(ep[P_N_EXPERTS]) + 2; }
@@ -553,7 +532,10 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
         int s, i, ch;
         if (!order.at(item, s, i, ch)) continue;
         const char* meta = ep.local(ep[P_OFF_META]) + (s * T_max + i) * ep[P_META_BYTES];
-        if (!warp_wait_message(reinterpret_cast<const int*>(meta) + 1, round, ep, s, lane)) break;
+        if (!warp_wait_until(reinterpret_cast<const int*>(meta) + 1,
+                             [round](int v) { return message_complete(static_cast<unsigned>(v), round); }, ep,
+                             K_DISPATCH_RECV, s, lane))
+            break;
         const int t = *reinterpret_cast<const int*>(meta);
         const uint8_t* scales = reinterpret_cast<const uint8_t*>(meta + ep[P_META_SCALES]);
         const int src_rank = ep[P_SKIP_A2A] ? rank : s;
@@ -687,13 +669,8 @@ __device__ void dispatch_kernel(const long long* params, DispatchArgs a, int pha
 #ifndef CUEP_RECV_BLOCK_DIV
 #define CUEP_RECV_BLOCK_DIV 2
 #endif
-#if CUEP_RECV_BLOCK_DIV > 0
-    const bool fused = (phases & kPhaseSend) && (phases & kPhaseRecv);
-    const int recv_only = fused ? static_cast<int>(gridDim.x) / CUEP_RECV_BLOCK_DIV : 0;
-#else
-    const int recv_only = 0;
-#endif
-    if (phases & kPhaseSend) phase_send<FMT, T>(ep, a, send_round, smem, &s_flag, static_cast<int>(gridDim.x) - recv_only);
+    if (phases & kPhaseSend)
+        phase_send<FMT, T>(ep, a, send_round, smem, &s_flag, send_block_count(phases, CUEP_RECV_BLOCK_DIV));
     if (phases & kPhaseRecv) phase_recv<FMT>(ep, a, recv_round, smem, &s_flag);
 }
 

@@ -161,13 +161,15 @@ struct SourceInterleave {
     }
 };
 
-// Lane 0 spins (acquire, bounded) until *tag == want; the warp barrier then orders every lane's reads after it.
-// Returns false (after recording whom it waited for) on timeout or once the rank has failed.
-__device__ __forceinline__ bool warp_wait_tag(const int* tag, int want, const EP& ep, int kernel, int src, int lane) {
+// Lane 0 spins (acquire, bounded) until done(*tag) holds; the warp barrier then orders every lane's reads after
+// it. Returns false (after recording whom it waited for) on timeout or once the rank has failed.
+template <class Done>
+__device__ __forceinline__ bool warp_wait_until(const int* tag, Done done, const EP& ep, int kernel, int src,
+                                                int lane) {
     int ok = 1;
     if (lane == 0) {
         const uint64_t t0 = global_timer_ns();
-        while (load_acquire_sys_i32(tag) != want) {
+        while (!done(load_acquire_sys_i32(tag))) {
             if (has_failed(ep)) { ok = 0; break; }
             if (global_timer_ns() - t0 > static_cast<uint64_t>(ep[P_TIMEOUT_NS])) {
                 report_error(ep, kStatusTimeout, kernel, -1, src);
@@ -180,6 +182,19 @@ __device__ __forceinline__ bool warp_wait_tag(const int* tag, int want, const EP
     ok = __shfl_sync(0xffffffffu, ok, 0);
     __syncwarp();
     return ok != 0;
+}
+
+// The same, until *tag == want.
+__device__ __forceinline__ bool warp_wait_tag(const int* tag, int want, const EP& ep, int kernel, int src, int lane) {
+    return warp_wait_until(tag, [want](int v) { return v == want; }, ep, kernel, src, lane);
+}
+
+// Blocks of a launch that move data in the send phase: all of them, except that in one fused launch (send and
+// receive phases) 1 / recv_block_div of the grid only receives (recv_block_div 0: none).
+__device__ __forceinline__ int send_block_count(int phases, int recv_block_div) {
+    const bool fused = (phases & kPhaseSend) && (phases & kPhaseRecv);
+    const int grid = static_cast<int>(gridDim.x);
+    return fused && recv_block_div > 0 ? grid - grid / recv_block_div : grid;
 }
 
 // "Last block done" pattern: every block calls this once after its share of a phase (all threads); it returns true
