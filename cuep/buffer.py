@@ -30,8 +30,8 @@ PARAM_FIELDS = [
     "rank", "n_ranks", "n_src", "src_index", "n_local", "n_experts", "top_k", "hidden", "max_tokens",
     "payload_bytes", "scale_bytes", "row_align", "n_scales", "k_tiles", "n_groups", "shared", "skip_a2a",
     "capacity", "meta_bytes", "meta_ids", "meta_w", "meta_rows", "meta_scales", "combine_itemsize",
-    "off_tokens", "off_comb_recv", "off_meta", "off_tally", "off_hist_flag", "off_comb_ready",
-    "off_comb_arrived", "off_counters", "off_scratch", "timeout_ns", "err_ptr",
+    "small_tokens", "off_tokens", "off_comb_recv", "off_meta", "off_tally", "off_comb_ready",
+    "off_comb_arrived", "off_counters", "off_scratch", "off_stage", "timeout_ns", "err_ptr",
 ] + [f"peer_base{i}" for i in range(8)]
 
 MAX_TOP_K = 32  # one warp lane per top-k choice
@@ -212,10 +212,11 @@ class Buffer:
                 n_groups=cfg.n_groups, shared=int(cfg.fused_shared_expert), skip_a2a=int(cfg.skip_a2a),
                 capacity=cfg.capacity, meta_bytes=m.meta_bytes, meta_ids=m.topk_ids_offset,
                 meta_w=m.topk_weights_offset, meta_rows=m.topk_rows_offset, meta_scales=m.scales_offset,
-                combine_itemsize=cfg.combine_itemsize, timeout_ns=int(self.timeout_s * 1e9), err_ptr=r.err_host_ptr,
-                **{f"off_{k}": regions[k][0] for k in ("tokens", "comb_recv", "meta", "tally", "hist_flag",
+                combine_itemsize=cfg.combine_itemsize,
+                small_tokens=cfg.small_batch_tokens, timeout_ns=int(self.timeout_s * 1e9), err_ptr=r.err_host_ptr,
+                **{f"off_{k}": regions[k][0] for k in ("tokens", "comb_recv", "meta", "tally",
                                                        "comb_ready", "comb_arrived", "counters",
-                                                       "scratch")},
+                                                       "scratch", "stage")},
                 **{f"peer_base{i}": bases[i] for i in range(8)})
             arr = np.array([v[f] for f in PARAM_FIELDS], dtype=np.int64)
             with cupy.cuda.Device(r.device):
@@ -253,7 +254,7 @@ class Buffer:
                 cupy.cuda.Device().synchronize()
                 rt = cupy.cuda.runtime
                 # meta holds the per-message ready tags (round + 1): stale ones must not match a restarted round
-                for name in ("meta", "tally", "hist_flag", "comb_ready", "comb_arrived", "counters"):
+                for name in ("meta", "tally", "comb_ready", "comb_arrived", "counters", "stage"):
                     off, size = reg[name]
                     rt.memset(r.base + off, 0, size)
                 cupy.cuda.Device().synchronize()

@@ -7,6 +7,9 @@ from .formats import ALIGN, SCALE_TILE_BYTES, SCALE_TILE_ROWS, Format, MessageLa
     check_hidden, get_format
 
 MAX_GPUS_PER_NODE = 8
+SMALL_BATCH_DEFAULT = 256     # default small_batch_tokens (capped at max_tokens_per_rank)
+SMALL_BATCH_MAX_CHOICES = 8192  # small_batch_tokens x top_k: the send block's bookkeeping in shared memory
+SMALL_BATCH_MAX_EXPERTS = 1024  # n_experts: 16 per-range expert counters (uint16) in shared memory
 COMBINE_DTYPES = {"bfloat16": 2, "float32": 4}
 
 
@@ -33,6 +36,11 @@ class EPConfig:
             routed experts, and combine adds that group's output with weight 1.
         skip_a2a: every rank holds the same tokens; dispatch sends only to this rank's experts and combine
             returns the partial sum over them (for a later all-reduce).
+        small_batch_tokens: a dispatch round in which a rank sends at most this many tokens uses the
+            low-latency (decode) protocol for them: the tokens go to a staging area at each destination at once,
+            without first waiting for every rank's histogram, and the receiver places them. Default
+            min(max_tokens_per_rank, 256) (0 when n_experts > 1024); 0 turns it off. Costs
+            2 x sources x small_batch_tokens x message bytes of symmetric memory per rank.
 
     Raises:
         ValueError: naming the argument and the rule it breaks.
@@ -48,6 +56,7 @@ class EPConfig:
     combine_dtype: str = "bfloat16"
     fused_shared_expert: bool = False
     skip_a2a: bool = False
+    small_batch_tokens: int | None = None
     fmt: Format = field(init=False, repr=False, compare=False)
     message: MessageLayout = field(init=False, repr=False, compare=False)
 
@@ -71,7 +80,27 @@ class EPConfig:
         if self.max_tokens_per_rank >= 2**31 // max(1, self.n_ranks * self.top_k):
             raise ValueError(f"max_tokens_per_rank={self.max_tokens_per_rank} is too large: rows must fit int32")
         object.__setattr__(self, "fmt", fmt)
+        object.__setattr__(self, "small_batch_tokens", self._small_batch_tokens())
         object.__setattr__(self, "message", MessageLayout.make(fmt, self.hidden, self.top_k))
+
+    def _small_batch_tokens(self) -> int:
+        """The resolved ``small_batch_tokens`` (default, or the given value after its checks)."""
+        v = self.small_batch_tokens
+        if v is None:
+            if self.n_experts > SMALL_BATCH_MAX_EXPERTS:
+                return 0
+            return min(self.max_tokens_per_rank, SMALL_BATCH_DEFAULT, SMALL_BATCH_MAX_CHOICES // self.top_k)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"small_batch_tokens={v!r} must be an int >= 0 (0 turns the decode protocol off)")
+        if v > self.max_tokens_per_rank:
+            raise ValueError(f"small_batch_tokens={v} must be <= max_tokens_per_rank={self.max_tokens_per_rank}")
+        if v and v * self.top_k > SMALL_BATCH_MAX_CHOICES:
+            raise ValueError(f"small_batch_tokens={v} x top_k={self.top_k} must be <= {SMALL_BATCH_MAX_CHOICES} "
+                             f"(the send block keeps every choice's bookkeeping in shared memory)")
+        if v and self.n_experts > SMALL_BATCH_MAX_EXPERTS:
+            raise ValueError(f"small_batch_tokens={v} needs n_experts <= {SMALL_BATCH_MAX_EXPERTS} (got "
+                             f"{self.n_experts}); pass small_batch_tokens=0")
+        return v
 
     # ---- the group -----------------------------------------------------------------------------------------
     @property
@@ -157,13 +186,15 @@ class EPConfig:
         """Byte (offset, size) of every region of one rank's symmetric allocation, identical on every rank.
 
         Peers write: ``tokens`` (the dispatch output rows, [capacity, payload]), ``meta`` ([sources, T,
-        meta_bytes]: one record per message, with a ready tag), ``tally`` (int32 [2 parities, sources, E + 2]:
-        each source's expert histogram, token count and message count for this rank), ``hist_flag`` (uint64
-        [2, sources]: round + 1 once that tally row is complete), ``comb_recv`` ([T, K, H] in the combine dtype),
+        meta_bytes]: one record per message, with a ready tag), ``tally`` (uint64 [2 parities, sources, E + 2]:
+        each source's expert histogram, token count and message count for this rank, each entry stamped with
+        round + 1 in its high 32 bits), ``comb_recv`` ([T, K, H] in the combine dtype),
         ``comb_ready`` (uint64 [R]: round + 1 once that rank may receive combine data), ``comb_arrived`` (int32
         [T]: 16-byte vectors of combine data landed per token this round; the receiver re-arms it).
         ``counters`` (int32) and ``scratch`` (int32 [T, K] slots of each choice in its (expert, source) block,
         [T, 8] message slot per (token, destination), [T] destination ranks of each token) are private to the rank.
+        Peers also write ``stage`` ([2 parities, sources, small_batch_tokens, meta_bytes + payload_bytes]): the
+        messages of small rounds (metadata record, then payload), which the receiver copies to their rows.
         There is no send buffer: a token is encoded once, in shared memory, and stored straight into each
         destination over NVLink.
         """
@@ -171,10 +202,11 @@ class EPConfig:
         sizes = [("tokens", self.capacity * self.payload_bytes),
                  ("comb_recv", T * self.top_k * self.hidden * self.combine_itemsize),
                  ("meta", S * T * self.message.meta_bytes),
-                 ("tally", 4 * 2 * S * (E + 2)), ("hist_flag", 8 * 2 * S),
+                 ("tally", 8 * 2 * S * (E + 2)),
                  ("comb_ready", 8 * self.n_ranks), ("comb_arrived", 4 * T),
                  ("counters", 4 * self.n_counters),
-                 ("scratch", 4 * T * (self.top_k + 8 + 1))]
+                 ("scratch", 4 * T * (self.top_k + 8 + 1)),
+                 ("stage", 2 * S * self.small_batch_tokens * self.message.nbytes)]
         out, off = {}, 0
         for name, size in sizes:
             out[name] = (off, size)

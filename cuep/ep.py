@@ -151,7 +151,8 @@ def _before_launch(buf: Buffer, source: str) -> None:
 def _dispatch_launch(buf: Buffer, staged: bool) -> tuple[int, int]:
     """(threads per block, dynamic shared memory) of the dispatch kernel.
 
-    The send phase keeps every source's tallies and the per-expert bases in shared memory, plus, when the token
+    The send phase keeps every source's tallies and the per-expert bases (or a small round's bookkeeping, the
+    larger of the two) in shared memory, plus, when the token
     must be encoded (a quantized format, or bf16 from float32), one staging area per warp; warps are cut so the
     block still fits the device's shared memory.
     """
@@ -163,7 +164,7 @@ def _dispatch_launch(buf: Buffer, staged: bool) -> tuple[int, int]:
     cfg = buf.cfg
     a16 = lambda n: -(-n // 16) * 16  # noqa: E731  (the kernel aligns every part to 16 bytes)
     tally = a16(4 * cfg.n_source_ranks * (cfg.n_experts + 2))  # tally rows: E counts, tokens, messages
-    fixed = tally + a16(4 * cfg.n_experts)
+    fixed = max(tally + a16(4 * cfg.n_experts), _small_book_bytes(cfg))
     staging = a16(cfg.payload_bytes) + a16(cfg.message.scale_bytes) if staged else 0
     limit = cupy.cuda.Device(buf._ranks[0].device).attributes["MaxSharedMemoryPerBlockOptin"] - 2048
     warps = _THREADS // 32
@@ -175,6 +176,17 @@ def _dispatch_launch(buf: Buffer, staged: bool) -> tuple[int, int]:
     recv = tally + 4 * (-(-(cfg.n_groups + 1) // 4) * 4 + cfg.n_groups)
     buf._launch_cache[("dispatch", staged)] = out = (32 * warps, max(fixed + warps * staging, recv))
     return out
+
+
+def _small_book_bytes(cfg) -> int:
+    """Shared memory of a small round's bookkeeping in each send block (small_book_bytes in dispatch.cu): per choice
+    its expert and position (uint16), per (token, rank) the message slot (uint16), per token its rank mask, 16
+    token ranges x E counts (uint16), the histogram, 8 message counts. 0 when small rounds are off."""
+    D, K, E = cfg.small_batch_tokens, cfg.top_k, cfg.n_experts
+    if not D:
+        return 0
+    a16 = lambda n: -(-n // 16) * 16  # noqa: E731
+    return 2 * a16(2 * D * K) + a16(2 * D * 8) + a16(4 * D) + a16(2 * 16 * E) + a16(4 * E) + 4 * 8
 
 
 def _blocks(buf: Buffer, threads: int) -> int:

@@ -14,10 +14,14 @@ import cuep
 from cuep.bench import cases, timing
 
 POINTS = {
-    0: "dispatch entry (block 0)", 1: "notify: block 0's tokens done", 2: "notify: last block published",
-    3: "send: histograms acquired (block 0)", 4: "send: layout done (block 0)", 5: "send: block 0's items done",
+    0: "dispatch entry (block 0)", 1: "notify: block 0's tokens done (small: book)",
+    2: "notify: last block published (small: block 0)",
+    3: "send: histograms acquired (block 0) (small: ready)", 4: "send: layout done (block 0) (small: book)",
+    5: "send: block 0's items done",
     6: "send: last block done", 7: "recv: layout done (last block)", 8: "recv: last block's items done",
     9: "recv: padding done (last block)", 10: "recv: last block re-armed, round over",
+    22: "small notify: destinations ready (after the book)", 18: "small book: ids loaded", 19: "small book: ranks",
+    20: "small book: counts", 21: "small book: positions",
     12: "combine entry (block 0)", 13: "send: destinations ready (block 0)", 14: "send: block 0's items done",
     15: "send: last block done", 16: "recv: last block's tokens done", 17: "recv: last block re-armed, over",
 }
@@ -68,7 +72,7 @@ def main():
     gate.close()
     print(f"{g.n_ranks} GPUs, N={a.tokens}, {a.format}: median us after the kernel's first point, per rank")
     print(f"{'point':45s}" + "".join(f"  rank {r.rank:d}" for r in buf._ranks))
-    for op, first, pts in (("d", 0, range(0, 11)), ("c", 12, range(12, 18))):
+    for op, first, pts in (("d", 0, [0, 18, 19, 20, 21, 1, 22] + list(range(2, 11))), ("c", 12, range(12, 18))):
         for k in pts:
             row = []
             for r in buf._ranks:

@@ -327,6 +327,8 @@ def test_quick_and_overrides():
     assert plan.num_sms == [8, 16] and plan.repeats == 7 and plan.devices == [0, 1] and plan.out == "/tmp/x"
     assert not plan.nccl and not plan.gate
     assert plan.n_measurements(False) == 2 * 2 * 2 * 3  # 2 shapes x 2 formats x 2 SM counts x 3 ops
+    assert plan.small_batch_tokens is None
+    assert cli.make_plan(["--small-batch-tokens", "0"]).small_batch_tokens == 0
 
 
 @pytest.mark.parametrize("tokens, want", [(["1:8"], [1, 2, 4, 8]), (["3:20"], [4, 8, 16]), (["5", "1:2,7"], [1, 2, 5, 7])])
@@ -343,7 +345,7 @@ def test_shape_parsing():
 @pytest.mark.parametrize("argv", [["--formats", "int4"], ["--ops", "gather"], ["--sweep-n", "8:2"],
                                   ["--shapes", "huge"], ["--repeats", "0"], ["--devices", "0", "0"],
                                   ["--no-sweep", "--shapes", ""], ["--no-sweep", "--shapes", "none"],
-                                  ["--num-sms", "0"]])
+                                  ["--num-sms", "0"], ["--small-batch-tokens", "-1"]])
 def test_bad_arguments_exit_with_a_message(argv, capsys):
     with pytest.raises(SystemExit) as e:
         cli.make_plan(argv)

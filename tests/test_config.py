@@ -24,6 +24,11 @@ STD = dict(hidden=7168, top_k=8, n_experts=256, max_tokens_per_rank=4096, n_gpus
     (dict(top_k=0), "top_k"),
     (dict(n_nodes=0), "n_nodes"),
     (dict(hidden=True), "hidden"),
+    (dict(small_batch_tokens=-1), "small_batch_tokens"),
+    (dict(small_batch_tokens=4097), "max_tokens_per_rank"),        # above T
+    (dict(small_batch_tokens=2048), "small_batch_tokens"),         # 2048 x K=8 choices > 8192
+    (dict(small_batch_tokens=16, n_experts=2048), "n_experts"),    # per-range counters in shared memory
+    (dict(small_batch_tokens=True), "small_batch_tokens"),
 ])
 def test_config_rejects_bad_arguments_by_name(kwargs, arg):
     with pytest.raises(ValueError, match=re.escape(arg)):
@@ -66,6 +71,27 @@ def test_derived_sizes(fmt, shared, skip):
         assert o1 % 256 == 0 and o1 + s1 <= o2
     assert regions[-1][0] + regions[-1][1] <= cfg.buffer_bytes
     assert cfg.describe()
+
+
+def test_small_batch_tokens_default_and_staging_region():
+    """Small rounds (decode) stage their messages: 2 parities x sources x small_batch_tokens records of
+    (meta | payload). Default min(T, 256); off (0) past 1024 experts, where the send block's counters would not
+    fit in shared memory; capped so that small_batch_tokens x top_k <= 8192."""
+    cfg = EPConfig(**STD)
+    assert cfg.small_batch_tokens == 256
+    assert cfg.buffer_regions["stage"][1] == 2 * 4 * 256 * cfg.message.nbytes
+    assert EPConfig(**{**STD, "max_tokens_per_rank": 100}).small_batch_tokens == 100
+    assert EPConfig(**{**STD, "n_experts": 2048}).small_batch_tokens == 0
+    assert EPConfig(**{**STD, "top_k": 32, "n_experts": 256}).small_batch_tokens == 256
+    assert EPConfig(**{**STD, "top_k": 64, "n_experts": 256}).small_batch_tokens == 128
+    off = EPConfig(**STD, small_batch_tokens=0)
+    assert off.small_batch_tokens == 0 and off.buffer_regions["stage"][1] == 0
+    assert EPConfig(**STD, skip_a2a=True).buffer_regions["stage"][1] == 2 * 1 * 256 * cfg.message.nbytes
+    # the resolved value is part of the config (the repr every rank compares)
+    assert "small_batch_tokens=256" in repr(cfg)
+    from cuep.ep import _small_book_bytes
+    assert _small_book_bytes(off) == 0
+    assert _small_book_bytes(cfg) == 2 * 2 * 256 * 8 + 2 * 256 * 8 + 4 * 256 + 2 * 16 * 256 + 4 * 256 + 32
 
 
 def test_memory_at_standard_shape_is_small():

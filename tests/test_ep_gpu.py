@@ -38,7 +38,10 @@ def groups():
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("shared, skip", [(False, False), (True, False), (False, True), (True, True)])
 def test_round_matches_reference(devices, fmt, shared, skip, rng):
-    cfg, buf = make(devices, dispatch_format=fmt, fused_shared_expert=shared, skip_a2a=skip)
+    # small_batch_tokens: ranks with at most 24 tokens take the staged (decode) protocol and the others the
+    # direct one, in the same round; 48: every rank staged; 0: every rank direct
+    small = {(False, False): 24, (True, False): 48, (False, True): 0, (True, True): 48}[shared, skip]
+    cfg, buf = make(devices, dispatch_format=fmt, fused_shared_expert=shared, skip_a2a=skip, small_batch_tokens=small)
     R = len(devices)
     # a rank with no tokens, ranks with some, and one with N = T
     n = [cfg.max_tokens_per_rank] * R if skip else [
@@ -52,16 +55,20 @@ def test_round_matches_reference(devices, fmt, shared, skip, rng):
 @pytest.mark.parametrize("hidden, top_k, fmt", [(2048, 1, "bf16"), (7168, 8, "fp8"), (7168, 8, "bf16"),
                                                  (2048, 8, "nvfp4"), (7168, 4, "mxfp4")])
 def test_shapes_and_skew(devices, hidden, top_k, fmt, rng):
-    cfg, buf = make(devices, hidden=hidden, top_k=top_k, dispatch_format=fmt, max_tokens_per_rank=64)
+    cfg, buf = make(devices, hidden=hidden, top_k=top_k, dispatch_format=fmt, max_tokens_per_rank=64,
+                    small_batch_tokens=32)
     R = len(devices)
-    run_round(buf, cfg, rng, [64] * R, skew=True)
+    run_round(buf, cfg, rng, [64] * R, skew=True)  # direct; then a mix of staged and direct ranks
+    run_round(buf, cfg, rng, [32] * R, skew=True)  # every rank staged, at the limit
     run_round(buf, cfg, rng, [int(rng.integers(0, 65)) for _ in range(R)], weights_at="combine",
               dtype=np.float32, global_scale=3.0)
 
 
 @pytest.mark.parametrize("devices", groups())
 def test_hundred_rounds_with_changing_routing(devices, rng):
-    cfg, buf = make(devices, hidden=256, dispatch_format="fp8", max_tokens_per_rank=32, n_experts=16)
+    # small rounds (<= 16 tokens, staged) and large ones (direct) mixed from round to round and rank to rank
+    cfg, buf = make(devices, hidden=256, dispatch_format="fp8", max_tokens_per_rank=32, n_experts=16,
+                    small_batch_tokens=16)
     R = len(devices)
     for i in range(100):
         n = [int(rng.integers(0, 33)) for _ in range(R)]
@@ -117,7 +124,9 @@ def test_wait_times_out_with_a_clear_error_and_recovers(rng):
     import cupy
     from cuep import ep as ep_mod
 
-    cfg = cuep.EPConfig(hidden=256, top_k=2, n_experts=8, max_tokens_per_rank=16, n_gpus_per_node=2)
+    # the direct protocol (a small round's send half waits for nobody in its first round: see the next test)
+    cfg = cuep.EPConfig(hidden=256, top_k=2, n_experts=8, max_tokens_per_rank=16, n_gpus_per_node=2,
+                        small_batch_tokens=0)
     buf = cuep.Buffer(cuep.init([0, 0]), cfg, timeout_s=0.2)
     xs, ids, ws = make_inputs(rng, cfg, [16, 16])
     gx, gids = to_devices(buf.group, xs), to_devices(buf.group, ids)
@@ -138,10 +147,39 @@ def test_wait_times_out_with_a_clear_error_and_recovers(rng):
 
 
 @pytest.mark.gpu
-def test_bad_expert_ids_are_reported_and_skipped(rng):
+def test_small_round_wait_times_out_with_a_clear_error_and_recovers(rng):
+    """A small (staged) round: rank 0's send half runs, its receive half waits for rank 1's histogram, which never
+    comes; then the next round after reset() must not see the staged messages of the failed one."""
     import cupy
+    from cuep import ep as ep_mod
 
     cfg = cuep.EPConfig(hidden=256, top_k=2, n_experts=8, max_tokens_per_rank=16, n_gpus_per_node=2)
+    assert cfg.small_batch_tokens == 16
+    buf = cuep.Buffer(cuep.init([0, 0]), cfg, timeout_s=0.2)
+    xs, ids, ws = make_inputs(rng, cfg, [16, 16])
+    gx, gids = to_devices(buf.group, xs), to_devices(buf.group, ids)
+    r = buf._ranks[0]
+    threads, smem = ep_mod._dispatch_launch(buf, staged=False)
+    fn = ep_mod._kernel("dispatch.cu:cuep_dispatch_bf16_from_bf16", smem)
+    z = ep_mod._NULL
+    fn((buf.num_sms,), (threads,), (r.params, gx[0], gids[0], z, np.int32(16), np.float32(1), z, r.row_offsets,
+                                r.expert_ids, z, r.src_info, r.row_src, r.row_weight, r.msg_rows, r.msg_token,
+                                r.msg_j, r.msg_count, np.int32(7)), shared_mem=smem)
+    cupy.cuda.Device(0).synchronize()
+    with pytest.raises(cuep.EPError, match="dispatch \\(receive\\) timed out.*rank 1"):
+        buf.check()
+    buf.reset()
+    run_round(buf, cfg, rng, [16, 16])
+    run_round(buf, cfg, rng, [5, 16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("small", [0, 16], ids=["direct", "staged"])
+def test_bad_expert_ids_are_reported_and_skipped(small, rng):
+    import cupy
+
+    cfg = cuep.EPConfig(hidden=256, top_k=2, n_experts=8, max_tokens_per_rank=16, n_gpus_per_node=2,
+                        small_batch_tokens=small)
     buf = cuep.Buffer(cuep.init([0, 0]), cfg, timeout_s=2.0)
     xs, ids, ws = make_inputs(rng, cfg, [16, 16])
     ids[1][3, 1] = 99

@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=None, help="K (default 8)")
     p.add_argument("--experts", type=int, default=None, help="E (default 256)")
     p.add_argument("--devices", nargs="+", default=None, help="CUDA device ids (default: all visible)")
+    p.add_argument("--small-batch-tokens", type=int, default=None, metavar="N",
+                   help="cuep's EPConfig.small_batch_tokens: rounds of at most N tokens per rank take the staged "
+                        "(decode) protocol; 0: never (default: the EPConfig default, min(N of the case, 256))")
     p.add_argument("--ceiling-mib", type=int, default=None, help="copy size of the ceiling measurements (default 1024)")
     p.add_argument("--no-nccl", action="store_true", help="skip the NCCL baseline")
     p.add_argument("--no-ceilings", action="store_true", help="skip the copy ceilings")
@@ -157,6 +160,7 @@ class Plan:
     quick: bool = False
     dry_run: bool = False
     from_json: str | None = None
+    small_batch_tokens: int | None = None
     argv: list = field(default_factory=list)
 
     def points(self) -> list[dict]:
@@ -217,6 +221,8 @@ def make_plan(argv=None) -> Plan:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if pick("warmup") < 0:
             raise ValueError("--warmup must be >= 0")
+        if a.small_batch_tokens is not None and a.small_batch_tokens < 0:
+            raise ValueError("--small-batch-tokens must be >= 0 (0: never the staged protocol)")
         if a.num_sms is not None and any(n < 1 for n in a.num_sms):
             raise ValueError("--num-sms values must be >= 1")
         if not shapes and not sweep_n:
@@ -228,7 +234,8 @@ def make_plan(argv=None) -> Plan:
                 repeats=pick("repeats"), sweep_repeats=pick("sweep_repeats"), warmup=pick("warmup"),
                 series=pick("series"), input_sets=pick("input_sets"), ceiling_bytes=pick("ceiling_mib") << 20,
                 devices=devices, out=a.out, nccl=not a.no_nccl, ceilings=not a.no_ceilings, gate=not a.no_gate,
-                seed=a.seed, quick=a.quick, dry_run=a.dry_run, from_json=a.from_json, argv=list(sys.argv[1:] if argv is None else argv))
+                seed=a.seed, quick=a.quick, dry_run=a.dry_run, from_json=a.from_json,
+                small_batch_tokens=a.small_batch_tokens, argv=list(sys.argv[1:] if argv is None else argv))
 
 
 def describe_plan(plan: Plan, n_ranks: int) -> str:
@@ -403,7 +410,8 @@ def run(plan: Plan) -> tuple[dict, int]:
                 for sms in plan.num_sms:
                     ccase = None
                     try:
-                        ccase = cases.CuepCase(group, inputs, fmt, num_sms=sms)
+                        ccase = cases.CuepCase(group, inputs, fmt, num_sms=sms,
+                                               small_batch_tokens=plan.small_batch_tokens)
                         cfg = ccase.cfg
                         expert_out = expert_out or ccase.expert_out
                         check = ccase.check()

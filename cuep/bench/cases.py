@@ -116,15 +116,17 @@ class CuepCase:
     """
 
     def __init__(self, group, inputs: Inputs, fmt: str, *, num_sms: int | None = None, timeout_s: float = 10.0,
-                 seed: int = 1) -> None:
+                 seed: int = 1, small_batch_tokens: int | None = None) -> None:
         import cupy
 
         import cuep
 
         self.inputs = inputs
+        n_max = max(inputs.n_tokens, 1)
         self.cfg = cuep.EPConfig(hidden=inputs.hidden, top_k=inputs.top_k, n_experts=inputs.n_experts,
-                                 max_tokens_per_rank=max(inputs.n_tokens, 1), n_gpus_per_node=group.n_ranks,
-                                 dispatch_format=fmt)
+                                 max_tokens_per_rank=n_max, n_gpus_per_node=group.n_ranks, dispatch_format=fmt,
+                                 small_batch_tokens=None if small_batch_tokens is None else
+                                 min(small_batch_tokens, n_max))
         self.buf = cuep.Buffer(group, self.cfg, timeout_s=timeout_s, num_sms=num_sms)
         self.group = group
         # expert outputs: [capacity, H] as combine requires; only the rows a dispatch of these inputs can fill are

@@ -14,6 +14,9 @@
 //   recv    lay out row_offsets / expert_ids / scales_offsets from the histograms alone, then place each message
 //           as its ready tag lands (metadata, scales, copies to the token's other local experts) and zero the
 //           padding; the copies overlap the incoming stream
+// A small round (decode: at most small_batch_tokens tokens on this rank) skips notify's atomics and grid barrier and
+// the wait for every rank's histogram: every send block computes the bookkeeping itself, the tokens go to a staging
+// area at each destination, and the receiver copies them to their rows (see "small rounds" below).
 #include "ep.cuh"
 #include "formats.cuh"
 
@@ -104,14 +107,58 @@ __device__ __forceinline__ bool message_complete(unsigned v, int round) {
 
 // A tally row, one per (source, parity), written by the source into each destination:
 // [tokens the source sends to each expert (E) | the source's token count | messages it sends to this destination].
+// Each entry is one 64-bit store of (round + 1) << 32 | value, so the receiver takes an entry as soon as it carries
+// the round's stamp: no system fence and no flag behind the row (a fence issued while the GPU's data was already
+// on NVLink took 10-20 us). A tally row is also the readiness handshake: a rank publishes it only once it has
+// consumed its previous round (stream order), and the stamps of one (row, parity) only grow.
 __device__ __forceinline__ int tally_len(const EP& ep) { return static_cast<int>(ep[P_N_EXPERTS]) + 2; }
+__device__ __forceinline__ uint64_t* tally_row(const EP& ep, int rank, int par, int src) {
+    return reinterpret_cast<uint64_t*>(ep.peer(rank, ep[P_OFF_TALLY])) + (par * ep[P_N_SRC] + src) * tally_len(ep);
+}
+__device__ __forceinline__ uint64_t tally_entry(int round, int value) {
+    return (static_cast<uint64_t>(round) + 1) << 32 | static_cast<uint32_t>(value);
+}
 
-// Copy the tallies of parity `par` from this rank's buffer into shared memory (after the flags were acquired).
-__device__ void load_tallies(const EP& ep, int par, int* s_tally) {
+// Publish [hist | num_tokens | n_msgs[dest]] of this round to every destination (all threads of the block).
+__device__ void publish_tallies(const EP& ep, int round, const int* hist, int num_tokens, const int (&n_msgs)[8]) {
+    const int E = static_cast<int>(ep[P_N_EXPERTS]), E1 = tally_len(ep), me = static_cast<int>(ep[P_SRC_INDEX]);
+    const int n_dest = ep[P_SKIP_A2A] ? 1 : static_cast<int>(ep[P_N_RANKS]);
+    for (int d = 0; d < n_dest; ++d) {
+        const int r = ep[P_SKIP_A2A] ? static_cast<int>(ep[P_RANK]) : d;
+        uint64_t* dst = tally_row(ep, r, round & 1, me);
+        int msgs = 0;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) msgs = i == r ? n_msgs[i] : msgs;
+        for (int e = threadIdx.x; e < E1; e += blockDim.x)
+            store_relaxed_u64(dst + e, tally_entry(round, e < E ? hist[e] : (e == E ? num_tokens : msgs)));
+    }
+}
+
+// Wait (bounded) for every source's tally row of this round and copy the values into shared memory. All threads
+// of the block; false (after recording whom it waited for) on timeout or once the rank has failed.
+__device__ bool load_tallies(const EP& ep, int round, int* s_tally, int kernel, int* s_ok) {
     const int E1 = tally_len(ep), n_src = static_cast<int>(ep[P_N_SRC]);
-    const int* tally = reinterpret_cast<const int*>(ep.local(ep[P_OFF_TALLY])) + par * n_src * E1;
-    for (int i = threadIdx.x; i < n_src * E1; i += blockDim.x) s_tally[i] = tally[i];
+    const uint64_t* tally = tally_row(ep, static_cast<int>(ep[P_RANK]), round & 1, 0);
+    const uint32_t stamp = static_cast<uint32_t>(round) + 1;
+    if (threadIdx.x == 0) *s_ok = 1;
     __syncthreads();
+    const uint64_t t0 = global_timer_ns();
+    for (int i = threadIdx.x; i < n_src * E1; i += blockDim.x) {
+        uint64_t v;
+        while (static_cast<uint32_t>((v = load_acquire_u64(tally + i)) >> 32) != stamp) {
+            if (has_failed(ep)) { *s_ok = 0; break; }
+            if (global_timer_ns() - t0 > static_cast<uint64_t>(ep[P_TIMEOUT_NS])) {
+                report_error(ep, kStatusTimeout, kernel, -1, i / E1);
+                *s_ok = 0;
+                break;
+            }
+            __nanosleep(64);
+        }
+        if (!*reinterpret_cast<volatile int*>(s_ok)) break;
+        s_tally[i] = static_cast<int>(static_cast<uint32_t>(v));
+    }
+    __syncthreads();
+    return *s_ok != 0;
 }
 
 // Rows of local expert group (rank r, local expert l) and the shared group of rank r, padded to the row alignment.
@@ -150,12 +197,211 @@ __device__ void scan_rank_groups(const EP& ep, const int* s_tally, int r, int* s
     __syncthreads();
 }
 
-// Sum of tallies of sources before `me` for expert e: where my block of rows starts inside e's group.
-__device__ __forceinline__ int rows_before_me(const EP& ep, const int* s_tally, int e) {
-    const int E1 = tally_len(ep), me = static_cast<int>(ep[P_SRC_INDEX]);
+// Sum of tallies of sources before `src` for expert e: where src's block of rows starts inside e's group.
+__device__ __forceinline__ int rows_before(const EP& ep, const int* s_tally, int src, int e) {
+    const int E1 = tally_len(ep);
     int n = 0;
-    for (int s = 0; s < me; ++s) n += s_tally[s * E1 + e];
+    for (int s = 0; s < src; ++s) n += s_tally[s * E1 + e];
     return n;
+}
+
+// Message slots in token order: the slot of (token t, rank r) is the number of earlier tokens that go to r
+// (`masks[t]`: the token's destination ranks). Each destination then holds a source's messages in token order, and
+// the combine, which goes through them in slot order, returns every source's tokens roughly in order.
+// Called by all threads of the block; `store(t, r, slot)` for every message; n_msgs[r] (every thread): the
+// messages to rank r. Each warp takes a contiguous range of kBatch x 32 tokens per pass (lane = token; coalesced
+// loads, all issued at once): per-rank counts by ballot, a prefix over the warps, then the slots. (One thread per
+// contiguous range, loading its tokens one by one, took 15 us at N = 4096.) kBatch 8 for a large round, 1 for a
+// small one (a whole small round in one pass over all warps).
+template <int kBatch, class Store>
+__device__ void assign_message_slots(const int* masks, int n_tokens, int R, int (&n_msgs)[8], Store store) {
+    __shared__ int s_counts[32 * 8];
+    const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, n_warps = blockDim.x / kWarp;
+    const unsigned lanes_before = (1u << lane) - 1u;
+#pragma unroll
+    for (int r = 0; r < 8; ++r) n_msgs[r] = 0;
+    for (int base = 0; base < n_tokens; base += kBatch * kWarp * n_warps) {
+        const int t0 = base + warp * kBatch * kWarp + lane;
+        unsigned m[kBatch];
+#pragma unroll
+        for (int j = 0; j < kBatch; ++j) m[j] = t0 + j * kWarp < n_tokens ? masks[t0 + j * kWarp] : 0u;
+        __syncthreads();  // the previous pass is done with s_counts
+#pragma unroll
+        for (int r = 0; r < 8; ++r) {
+            int c = 0;
+#pragma unroll
+            for (int j = 0; j < kBatch; ++j) c += __popc(__ballot_sync(0xffffffffu, (m[j] >> r) & 1u));
+            if (lane == 0) s_counts[warp * 8 + r] = c;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int r = 0; r < 8; ++r) {
+            if (r >= R) break;
+            int run = n_msgs[r], total = 0;
+            for (int w = 0; w < n_warps; ++w) {
+                const int c = s_counts[w * 8 + r];
+                run += w < warp ? c : 0;
+                total += c;
+            }
+#pragma unroll
+            for (int j = 0; j < kBatch; ++j) {
+                const bool to_r = (m[j] >> r) & 1u;
+                const unsigned b = __ballot_sync(0xffffffffu, to_r);
+                if (to_r) store(t0 + j * kWarp, r, run + __popc(b & lanes_before));
+                run += __popc(b);
+            }
+            n_msgs[r] += total;
+        }
+    }
+    __syncthreads();
+}
+
+// ---- small rounds (decode): the staged protocol ----------------------------------------------------------------
+// A round in which this rank sends at most P_SMALL_TOKENS tokens does not wait for every rank's histogram before
+// its data moves. Every send block computes the round's bookkeeping itself, in shared memory and in token order
+// (so every block gets the same answer without atomics or a grid barrier): each choice's position in its
+// (expert, this source) block, each message's slot, the histogram. Messages go to a staging area at the
+// destination (records of meta | payload, two parities), and the receiver, which knows the layout from the
+// histograms, copies each payload to its rows. Block 0 publishes the histogram while the data moves. The only
+// wait before sending is that every destination has finished the round before last (whose staging parity this
+// round reuses): the destination's histogram of the previous round, normally long there.
+__device__ __forceinline__ bool small_round(const EP& ep, int num_tokens) {
+    return ep[P_SMALL_TOKENS] > 0 && num_tokens <= ep[P_SMALL_TOKENS];
+}
+// A source's round is staged iff its token count (tally column E) was small: the receiver's view of the same rule.
+__device__ __forceinline__ bool staged_source(const EP& ep, const int* s_tally, int s) {
+    return ep[P_SMALL_TOKENS] > 0 && s_tally[s * tally_len(ep) + ep[P_N_EXPERTS]] <= ep[P_SMALL_TOKENS];
+}
+// Message record i of source s at parity par in rank `rank`'s staging area: meta_bytes of metadata, then payload.
+__device__ __forceinline__ char* stage_record(const EP& ep, int rank, int par, int s, int i) {
+    const long long rec = ep[P_META_BYTES] + ep[P_PAYLOAD_BYTES];
+    return ep.peer(rank, ep[P_OFF_STAGE]) + ((par * ep[P_N_SRC] + s) * ep[P_SMALL_TOKENS] + i) * rec;
+}
+
+constexpr int kSmallRanges = 16;     // token ranges of the in-order position count
+constexpr uint16_t kNoExpert = 0xFFFF;
+
+// The send block's bookkeeping of a small round, in shared memory (sizes: small_book_bytes; cuep/ep.py mirrors it).
+struct SmallBook {
+    uint16_t* expert;  // [N*K] the choice's expert if valid, else kNoExpert
+    uint16_t* pos;     // [N*K] its position in the (expert, this source) block at the destination (token order)
+    uint16_t* slot;    // [N*8] message slot of (token, destination rank) (token order)
+    int* mask;         // [N] the token's destination ranks
+    uint16_t* count;   // [kSmallRanges * E] per-range expert counts, then each range's start
+    int* hist;         // [E] tokens to each expert
+    int* n_msgs;       // [8] messages to each rank
+};
+
+__device__ __forceinline__ SmallBook small_book(const EP& ep, char* smem) {
+    const long long D = ep[P_SMALL_TOKENS], K = ep[P_TOP_K], E = ep[P_N_EXPERTS];
+    SmallBook b;
+    char* p = smem;
+    b.expert = reinterpret_cast<uint16_t*>(p); p += align_up(2 * D * K);
+    b.pos = reinterpret_cast<uint16_t*>(p); p += align_up(2 * D * K);
+    b.slot = reinterpret_cast<uint16_t*>(p); p += align_up(2 * D * kMaxRanks);
+    b.mask = reinterpret_cast<int*>(p); p += align_up(4 * D);
+    b.count = reinterpret_cast<uint16_t*>(p); p += align_up(2 * kSmallRanges * E);
+    b.hist = reinterpret_cast<int*>(p); p += align_up(4 * E);
+    b.n_msgs = reinterpret_cast<int*>(p);
+    return b;
+}
+__device__ __forceinline__ long long small_book_bytes(const EP& ep) {
+    const long long D = ep[P_SMALL_TOKENS], K = ep[P_TOP_K], E = ep[P_N_EXPERTS];
+    return 2 * align_up(2 * D * K) + align_up(2 * D * kMaxRanks) + align_up(4 * D) +
+           align_up(2 * kSmallRanges * E) + align_up(4 * E) + 4 * kMaxRanks;
+}
+
+// Fill the book (all threads of the block; ends with a block barrier). `report`: this block records bad choices.
+__device__ void small_bookkeeping(const EP& ep, const DispatchArgs& a, const SmallBook& b, bool report) {
+    const int E = static_cast<int>(ep[P_N_EXPERTS]), K = static_cast<int>(ep[P_TOP_K]);
+    const int L = static_cast<int>(ep[P_N_LOCAL]), R = static_cast<int>(ep[P_N_RANKS]);
+    const int N = a.num_tokens, NK = N * K;
+    const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, n_warps = blockDim.x / kWarp;
+    // parameters in registers: the loops below store to shared memory through generic pointers and may report
+    // errors, after which the compiler would reload every ep[] from global memory (3 us of this book)
+    const bool skip = ep[P_SKIP_A2A] != 0;
+    const int my_rank = static_cast<int>(ep[P_RANK]);
+    // 1. Every id at once (coalesced, independent loads); out-of-range ones marked.
+    for (int c = threadIdx.x; c < NK; c += blockDim.x) {
+        const int v = a.topk_ids[c];
+        const bool ok = v >= 0 && v < E;
+        if (!ok && report) report_error(ep, kStatusBadExpertId, K_DISPATCH_SEND, v, c / K);
+        b.expert[c] = ok ? static_cast<uint16_t>(v) : kNoExpert;
+    }
+    for (int i = threadIdx.x; i < kSmallRanges * E; i += blockDim.x) b.count[i] = 0;
+    __syncthreads();
+    CUEP_TRACE(ep, report, 18);
+    // 2. Repeats, skip_a2a's non-local choices and destination ranks: groups of G lanes (G = K rounded up to a
+    // power of two) take one token each, so a warp does 32 / G tokens at once (a warp per token with shuffle loops
+    // took 5.5 us for 128 tokens, a thread per token 3.3 us).
+    const int G = K <= 1 ? 1 : 1 << (32 - __clz(K - 1));
+    for (int t0 = warp * (kWarp / G); t0 < N; t0 += n_warps * (kWarp / G)) {
+        const int t = t0 + lane / G, k = lane % G;
+        const bool has = t < N && k < K;
+        const int e = has ? b.expert[t * K + k] : kNoExpert;
+        const bool in_range = e != kNoExpert;
+        // an earlier lane of the same token with the same expert (lanes without an expert get keys of their own)
+        const unsigned same = __match_any_sync(0xffffffffu, in_range ? t * 65536 + e : -1 - lane);
+        const bool repeat = in_range && (same & ((1u << lane) - 1u)) != 0;
+        const bool local_ok = !skip || (in_range && e / L == my_rank);
+        if (report && repeat && local_ok) report_error(ep, kStatusDuplicateExpert, K_DISPATCH_SEND, e, t);
+        const bool valid = in_range && !repeat && local_ok;
+        unsigned to_ranks = valid ? 1u << (e / L) : 0u;
+        for (int o = 1; o < G; o <<= 1) to_ranks |= __shfl_xor_sync(0xffffffffu, to_ranks, o);
+        if (has && !valid) b.expert[t * K + k] = kNoExpert;
+        if (t < N && k == 0) b.mask[t] = static_cast<int>(to_ranks);
+    }
+    __syncthreads();
+    CUEP_TRACE(ep, report, 19);
+    // 3. Positions in token order: a warp counts each of kSmallRanges contiguous token ranges (a token's valid
+    // choices are distinct experts, so its lanes never collide), then each range's start per expert, then the fix.
+    const int per = (N + kSmallRanges - 1) / kSmallRanges;
+    for (int j = warp; j < kSmallRanges; j += n_warps) {
+        uint16_t* cnt = b.count + j * E;
+        for (int t = j * per; t < min(N, (j + 1) * per); ++t) {
+            const int e = lane < K ? b.expert[t * K + lane] : kNoExpert;
+            if (e != kNoExpert) b.pos[t * K + lane] = cnt[e]++;
+            __syncwarp();
+        }
+    }
+    __syncthreads();
+    CUEP_TRACE(ep, report, 20);
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        int run = 0;
+        for (int j = 0; j < kSmallRanges; ++j) {
+            const int c = b.count[j * E + e];
+            b.count[j * E + e] = static_cast<uint16_t>(run);
+            run += c;
+        }
+        b.hist[e] = run;
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < NK; c += blockDim.x) {
+        const int e = b.expert[c];
+        if (e != kNoExpert) b.pos[c] += b.count[(c / K / per) * E + e];
+    }
+    CUEP_TRACE(ep, report, 21);
+    // 4. Message slots in token order.
+    int n_msgs[8];
+    assign_message_slots<1>(b.mask, N, R, n_msgs, [&b](int t, int r, int v) {
+        b.slot[t * kMaxRanks + r] = static_cast<uint16_t>(v);
+    });
+    if (threadIdx.x < kMaxRanks) {
+        int m = 0;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) m = i == static_cast<int>(threadIdx.x) ? n_msgs[i] : m;
+        b.n_msgs[threadIdx.x] = m;
+    }
+    __syncthreads();
+}
+
+// A small round may write into a destination once it has finished the round before last (whose staging parity
+// and tally row this round reuses): its tally row of the previous round is here (stamp >= round). All threads.
+__device__ __forceinline__ bool small_round_ready(const EP& ep, int round, int* s_ok) {
+    const uint64_t* rows = tally_row(ep, static_cast<int>(ep[P_RANK]), (round + 1) & 1, 0);
+    return block_wait_flags(rows, static_cast<int>(ep[P_N_SRC]),
+                            [round](uint64_t v) { return (v >> 32) >= static_cast<uint64_t>(round); }, ep,
+                            K_DISPATCH_SEND, s_ok, tally_len(ep));
 }
 
 // ---- phases ---------------------------------------------------------------------------------------------------
@@ -169,7 +415,7 @@ __device__ __forceinline__ int* scratch_rank_masks(const EP& ep) { return scratc
 
 // notify: one thread per (token, k). Reserve every slot with an atomic (the histogram is the slot counter),
 // then the last block publishes the histogram to every destination with the round's flag.
-__device__ void phase_notify(const EP& ep, const DispatchArgs& a, int round, int* s_flag) {
+__device__ void phase_notify(const EP& ep, const DispatchArgs& a, int round, int* s_flag, char* smem) {
     const int E = static_cast<int>(ep[P_N_EXPERTS]), K = static_cast<int>(ep[P_TOP_K]);
     const int L = static_cast<int>(ep[P_N_LOCAL]);
     int* ctr = ep.counters();
@@ -177,6 +423,27 @@ __device__ void phase_notify(const EP& ep, const DispatchArgs& a, int round, int
     int* pos = scratch_pos(ep);
     int* slot = scratch_slot(ep);
     int* masks = scratch_rank_masks(ep);
+    if (small_round(ep, a.num_tokens)) {
+        // Small round: no atomics and no grid barrier. Block 0 computes the book (reporting bad choices) and
+        // publishes the tally before it sends anything (a system fence behind its own data took 20 us); every
+        // send block computes the same book for itself.
+        if (blockIdx.x != 0) return;
+        __shared__ int s_ok;
+        const SmallBook book = small_book(ep, smem);
+        small_bookkeeping(ep, a, book, /*report=*/true);  // writes nothing outside the block: before the wait
+        CUEP_TRACE(ep, true, 1);
+        if (!small_round_ready(ep, round, &s_ok)) return;
+        CUEP_TRACE(ep, true, 22);
+        int n_msgs[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) n_msgs[i] = book.n_msgs[i];
+        publish_tallies(ep, round, book.hist, a.num_tokens, n_msgs);
+        // the send blocks start once the tally stores are issued, so the tallies go out ahead of the data
+        __syncthreads();
+        if (threadIdx.x == 0) store_release_gpu_i32(ep.counters() + C_SMALL_TALLY, round + 1);
+        CUEP_TRACE(ep, true, 2);
+        return;
+    }
     // One warp per token, lane k = choice k: repeats and first choices per rank found with shuffles.
     const int lane = threadIdx.x % kWarp, n_warps = blockDim.x / kWarp;
     for (int t = (threadIdx.x / kWarp) * gridDim.x + blockIdx.x; t < a.num_tokens; t += gridDim.x * n_warps) {
@@ -206,84 +473,27 @@ __device__ void phase_notify(const EP& ep, const DispatchArgs& a, int round, int
     }
     CUEP_TRACE(ep, blockIdx.x == 0, 1);
     if (!last_block_done(ctr + C_DONE_NOTIFY, s_flag, /*peer_writes=*/false)) return;
-    // Last block. Message slots in token order: the slot of (t, r) is the number of earlier tokens that go to r
-    // (atomics gave them in scheduling order). Each destination then holds a source's messages in token order,
-    // and the combine, which goes through them in slot order, returns every source's tokens roughly in order.
+    // Last block: message slots in token order (atomics gave the choices' slots in scheduling order).
     const int R = static_cast<int>(ep[P_N_RANKS]);
-    int n_msgs[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // messages to each rank so far, then in all
-    {
-        // Each warp takes a contiguous range of kBatch x 32 tokens per pass (lane = token; coalesced loads, all
-        // issued at once): per-rank counts by ballot, a prefix over the warps, then the slots. (One thread per
-        // contiguous range, loading its tokens one by one, took 15 us at N = 4096.)
-        constexpr int kBatch = 8;
-        __shared__ int s_counts[32 * 8];
-        const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, n_warps = blockDim.x / kWarp;
-        const unsigned lanes_before = (1u << lane) - 1u;
-        for (int base = 0; base < a.num_tokens; base += kBatch * kWarp * n_warps) {
-            const int t0 = base + warp * kBatch * kWarp + lane;
-            unsigned m[kBatch];
-#pragma unroll
-            for (int j = 0; j < kBatch; ++j) m[j] = t0 + j * kWarp < a.num_tokens ? masks[t0 + j * kWarp] : 0u;
-            __syncthreads();  // the previous pass is done with s_counts
-#pragma unroll
-            for (int r = 0; r < 8; ++r) {
-                int c = 0;
-#pragma unroll
-                for (int j = 0; j < kBatch; ++j) c += __popc(__ballot_sync(0xffffffffu, (m[j] >> r) & 1u));
-                if (lane == 0) s_counts[warp * 8 + r] = c;
-            }
-            __syncthreads();
-#pragma unroll
-            for (int r = 0; r < 8; ++r) {
-                if (r >= R) break;
-                int run = n_msgs[r], total = 0;
-                for (int w = 0; w < n_warps; ++w) {
-                    const int c = s_counts[w * 8 + r];
-                    run += w < warp ? c : 0;
-                    total += c;
-                }
-#pragma unroll
-                for (int j = 0; j < kBatch; ++j) {
-                    const bool to_r = (m[j] >> r) & 1u;
-                    const unsigned b = __ballot_sync(0xffffffffu, to_r);
-                    if (to_r)
-                        slot[static_cast<long long>(t0 + j * kWarp) * kMaxRanks + r] = run + __popc(b & lanes_before);
-                    run += __popc(b);
-                }
-                n_msgs[r] += total;
-            }
-        }
-    }
-    // Publish [hist | num_tokens | messages for you] to every destination's tally row for me, then the flag;
-    // re-arm the histogram.
-    const int par = round & 1, n_src = static_cast<int>(ep[P_N_SRC]), E1 = tally_len(ep);
-    const int me = static_cast<int>(ep[P_SRC_INDEX]);
-    const int n_dest = ep[P_SKIP_A2A] ? 1 : R;
-    for (int d = 0; d < n_dest; ++d) {
-        const int r = ep[P_SKIP_A2A] ? static_cast<int>(ep[P_RANK]) : d;
-        int* dst = reinterpret_cast<int*>(ep.peer(r, ep[P_OFF_TALLY])) + (par * n_src + me) * E1;
-        int msgs = 0;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) msgs = i == r ? n_msgs[i] : msgs;
-        for (int e = threadIdx.x; e < E1; e += blockDim.x) dst[e] = e < E ? hist[e] : (e == E ? a.num_tokens : msgs);
-    }
+    int n_msgs[8];  // messages to each rank
+    assign_message_slots<8>(masks, a.num_tokens, R, n_msgs, [slot](int t, int r, int v) {
+        slot[static_cast<long long>(t) * kMaxRanks + r] = v;
+    });
+    // Publish [hist | num_tokens | messages for you] to every destination's tally row for me; re-arm the histogram.
+    // The fence: this rank's send blocks read the scratch slots once they see their own tally row.
+    __threadfence();
+    publish_tallies(ep, round, hist, a.num_tokens, n_msgs);
     __syncthreads();
     for (int e = threadIdx.x; e < E; e += blockDim.x) hist[e] = 0;
     if (threadIdx.x == 0) ctr[C_DONE_NOTIFY] = 0;
-    __syncthreads();
-    if (threadIdx.x < n_dest) {
-        const int r = ep[P_SKIP_A2A] ? static_cast<int>(ep[P_RANK]) : threadIdx.x;
-        fence_sys();
-        uint64_t* flag = reinterpret_cast<uint64_t*>(ep.peer(r, ep[P_OFF_HIST_FLAG])) + par * n_src + me;
-        store_release_u64(flag, static_cast<uint64_t>(round) + 1);
-    }
     CUEP_TRACE(ep, true, 2);
 }
 
 // send: every rank's layout from the histograms, then one warp per token: encode it once (shared memory, or
 // straight from x for bf16) and store it to each destination rank it goes to.
 template <int FMT, typename T>
-__device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char* smem, int* s_flag, int send_blocks) {
+__device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char* smem, int* s_flag, int send_blocks,
+                           bool book_ready) {
     const int E = static_cast<int>(ep[P_N_EXPERTS]), K = static_cast<int>(ep[P_TOP_K]);
     const int L = static_cast<int>(ep[P_N_LOCAL]), H = static_cast<int>(ep[P_HIDDEN]);
     const int R = static_cast<int>(ep[P_N_RANKS]), rank = static_cast<int>(ep[P_RANK]);
@@ -298,28 +508,51 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
     // Blocks past `send_blocks` only receive (fused launch): they go straight to the end-of-phase barrier.
     if (static_cast<int>(blockIdx.x) >= send_blocks) goto done;
     {
-    // 1. Every source's histogram of this round (also: every destination is ready for it).
-    const uint64_t* flags = reinterpret_cast<const uint64_t*>(ep.local(ep[P_OFF_HIST_FLAG])) + par * n_src;
-    if (!block_wait_flags_eq(flags, n_src, static_cast<uint64_t>(round) + 1, ep, K_DISPATCH_SEND, &s_ok)) return;
-    CUEP_TRACE(ep, blockIdx.x == 0, 3);
-    // shared memory: tallies | per-expert bases | one encoded token per warp (16-byte aligned parts)
-    int* s_tally = reinterpret_cast<int*>(smem);
+    // shared memory: (tallies | per-expert bases) or a small round's book | one encoded token per warp
+    const bool small = small_round(ep, a.num_tokens);
     const long long tally_bytes = align_up(4LL * n_src * tally_len(ep));
+    const long long fixed = max(tally_bytes + align_up(4LL * E), ep[P_SMALL_TOKENS] > 0 ? small_book_bytes(ep) : 0LL);
+    int* s_tally = reinterpret_cast<int*>(smem);
     int* s_base = reinterpret_cast<int*>(smem + tally_bytes);
     const long long pb = ep[P_PAYLOAD_BYTES];
     const int sb = static_cast<int>(ep[P_SCALE_BYTES]);
     const long long staging = align_up(pb) + align_up(sb);
-    uint8_t* s_payload = reinterpret_cast<uint8_t*>(smem + tally_bytes + align_up(4LL * E)) +
-                         warp * staging;
+    uint8_t* s_payload = reinterpret_cast<uint8_t*>(smem + fixed) + warp * staging;
     uint8_t* s_scales = s_payload + align_up(pb);
-    load_tallies(ep, par, s_tally);
-    const int n_dest = ep[P_SKIP_A2A] ? 1 : R;
-    for (int d = 0; d < n_dest; ++d) {
-        const int r = ep[P_SKIP_A2A] ? rank : d;
-        scan_rank_groups(ep, s_tally, r, s_scan, [&](int e, int, int start, int) {
-            s_base[e] = start + rows_before_me(ep, s_tally, e);
-        });
+    SmallBook book{};
+    if (small) {
+        // 1s. The book (block 0 made it in notify, in the same launch, when the launch has that phase), then
+        // every destination is ready (small_round_ready), then block 0's tally stores are out.
+        book = small_book(ep, smem);
+        if (!(blockIdx.x == 0 && book_ready)) small_bookkeeping(ep, a, book, /*report=*/false);
+        if (!small_round_ready(ep, round, &s_ok)) return;
+        CUEP_TRACE(ep, blockIdx.x == 0, 3);
+        if (threadIdx.x == 0) {
+            const uint64_t t0 = global_timer_ns();
+            while (load_acquire_i32(ctr + C_SMALL_TALLY) < round + 1) {
+                if (has_failed(ep) || global_timer_ns() - t0 > static_cast<uint64_t>(ep[P_TIMEOUT_NS])) break;
+                __nanosleep(32);
+            }
+        }
+        __syncthreads();
+    } else {
+        // 1. Every source's histogram of this round (also: every destination is ready for it).
+        if (!load_tallies(ep, round, s_tally, K_DISPATCH_SEND, &s_ok)) return;
+        CUEP_TRACE(ep, blockIdx.x == 0, 3);
+        const int n_dest = ep[P_SKIP_A2A] ? 1 : R;
+        for (int d = 0; d < n_dest; ++d) {
+            const int r = ep[P_SKIP_A2A] ? rank : d;
+            scan_rank_groups(ep, s_tally, r, s_scan, [&](int e, int, int start, int) {
+                s_base[e] = start + rows_before(ep, s_tally, me, e);
+            });
+        }
     }
+    // Where message (destination d, slot) goes: its metadata record, and its payload (the staging record of a
+    // small round, else the destination's row of the token's first expert there).
+    const long long T_max = ep[P_MAX_TOKENS];
+    auto message_meta = [&](int d, int slot) -> char* {
+        return small ? stage_record(ep, d, par, me, slot) : ep.peer(d, ep[P_OFF_META]) + (me * T_max + slot) * ep[P_META_BYTES];
+    };
 
     CUEP_TRACE(ep, blockIdx.x == 0, 4);
     // 2. Items (token, chunk of whole 256-value spans), one warp each; lane k holds top-k choice k. A prefill batch
@@ -328,7 +561,6 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
     // into the message's ready tag (message_tag_*), so the receiver knows when all of a message has landed.
     const int* pos = scratch_pos(ep);
     const int* slots = scratch_slot(ep);
-    const long long T_max = ep[P_MAX_TOKENS];
     const int n_spans = (H + kWarpSpan - 1) / kWarpSpan;
     const int spans_per_chunk = static_cast<int>(max(
         chunk_units(a.num_tokens, n_spans, 1, static_cast<long long>(send_blocks) * n_warps),
@@ -350,7 +582,13 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
         float w = 0.f;
         if (lane < K) {
             e = ids[lane];
-            if (valid_choice(ep, ids, lane)) {
+            if (small) {  // row: the position in the (expert, me) block; the receiver adds the block's start
+                const int ev = book.expert[t * K + lane];
+                if (ev != kNoExpert) {
+                    r = ev / L;
+                    row = book.pos[t * K + lane];
+                }
+            } else if (valid_choice(ep, ids, lane)) {
                 r = e / L;
                 row = s_base[e] + pos[static_cast<long long>(t) * K + lane];
             }
@@ -395,9 +633,10 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
             sent |= 1u << d;
             const int first = __ffs(mask) - 1;
             const int first_row = __shfl_sync(0xffffffffu, row, first);
-            const int slot = slots[static_cast<long long>(t) * kMaxRanks + d];
-            warp_copy16(ep.peer(d, ep[P_OFF_TOKENS]) + first_row * pb + p_lo, payload + p_lo, p_hi - p_lo, lane);
-            char* meta = ep.peer(d, ep[P_OFF_META]) + (me * T_max + slot) * ep[P_META_BYTES];
+            const int slot = small ? book.slot[t * kMaxRanks + d] : slots[static_cast<long long>(t) * kMaxRanks + d];
+            char* meta = message_meta(d, slot);
+            char* dst = small ? meta + ep[P_META_BYTES] : ep.peer(d, ep[P_OFF_TOKENS]) + first_row * pb;
+            warp_copy16(dst + p_lo, payload + p_lo, p_hi - p_lo, lane);
             if (ch == 0) {
                 if (lane == 0) *reinterpret_cast<int*>(meta) = t;
                 if (lane < K) {
@@ -417,9 +656,8 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
             fence_sys();
             for (unsigned m = sent; m; m &= m - 1) {
                 const int d = __ffs(m) - 1;
-                const int slot = slots[static_cast<long long>(t) * kMaxRanks + d];
-                char* meta = ep.peer(d, ep[P_OFF_META]) + (me * T_max + slot) * ep[P_META_BYTES];
-                message_tag_add(reinterpret_cast<int*>(meta) + 1, round, ch, n_chunks);
+                const int slot = small ? book.slot[t * kMaxRanks + d] : slots[static_cast<long long>(t) * kMaxRanks + d];
+                message_tag_add(reinterpret_cast<int*>(message_meta(d, slot)) + 1, round, ch, n_chunks);
             }
         }
         if (ep[P_SHARED]) {
@@ -467,13 +705,11 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
 
     // The layout needs only the histograms (they arrive before any data); messages are then placed one by one
     // as their ready tags land, so the copies below overlap the incoming stream.
-    const uint64_t* flags = reinterpret_cast<const uint64_t*>(ep.local(ep[P_OFF_HIST_FLAG])) + par * n_src;
-    if (!block_wait_flags_eq(flags, n_src, static_cast<uint64_t>(round) + 1, ep, K_DISPATCH_RECV, &s_ok)) return;
     const int E1 = tally_len(ep);
     int* s_tally = reinterpret_cast<int*>(smem);
     unsigned* s_offsets = reinterpret_cast<unsigned*>(s_tally + n_src * E1);
     unsigned* s_tiles = s_offsets + align_up(G + 1, 4);
-    load_tallies(ep, par, s_tally);
+    if (!load_tallies(ep, round, s_tally, K_DISPATCH_RECV, &s_ok)) return;
     if (threadIdx.x == 0) {
         s_offsets[0] = 0;
         if (sh) s_offsets[1] = shared_rows(ep, s_tally, rank);
@@ -531,7 +767,11 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
          item = __shfl_sync(0xffffffffu, lane == 0 ? atomicAdd(next_item, 1) : 0, 0)) {
         int s, i, ch;
         if (!order.at(item, s, i, ch)) continue;
-        const char* meta = ep.local(ep[P_OFF_META]) + (s * T_max + i) * ep[P_META_BYTES];
+        // a small round's message sits in the staging area; a large round's metadata in the meta region and its
+        // payload already in the row of the token's first local expert
+        const bool staged = staged_source(ep, s_tally, s);
+        const char* meta = staged ? stage_record(ep, rank, par, s, i)
+                                  : ep.local(ep[P_OFF_META]) + (s * T_max + i) * ep[P_META_BYTES];
         if (!warp_wait_until(reinterpret_cast<const int*>(meta) + 1,
                              [round](int v) { return message_complete(static_cast<unsigned>(v), round); }, ep,
                              K_DISPATCH_RECV, s, lane))
@@ -546,16 +786,21 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
             id = reinterpret_cast<const uint16_t*>(meta + ep[P_META_IDS])[lane];
             row = reinterpret_cast<const int*>(meta + ep[P_META_ROWS])[lane];
             w = reinterpret_cast<const float*>(meta + ep[P_META_W])[lane];
+            // staged: the sender knew only the position in its (expert, source) block
+            if (staged && row >= 0) row += s_offsets[sh + id - rank * L] + rows_before(ep, s_tally, s, id);
         }
         unsigned local = __ballot_sync(0xffffffffu, row >= 0);
         const int first = local ? __ffs(local) - 1 : 0;
         const int first_row = __shfl_sync(0xffffffffu, row, first);
+        // the payload's source, and the local rows it still has to reach (staged: all of them)
+        const char* payload = staged ? meta + ep[P_META_BYTES] : tokens + first_row * pb;
+        const unsigned copy_to = staged ? local : local & (local - 1);
         if (ch != 0) {  // payload chunk only
             const long long off = static_cast<long long>(ch) * kFanoutChunk;
             const long long n = min(static_cast<long long>(kFanoutChunk), pb - off);
-            for (unsigned rest = local & (local - 1); rest; rest &= rest - 1) {
+            for (unsigned rest = copy_to; rest; rest &= rest - 1) {
                 const int rk = __shfl_sync(0xffffffffu, row, __ffs(rest) - 1);
-                warp_copy16(tokens + rk * pb + off, tokens + first_row * pb + off, n, lane);
+                warp_copy16(tokens + rk * pb + off, payload + off, n, lane);
             }
             continue;
         }
@@ -592,8 +837,8 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
             if (ep[P_SCALE_BYTES])
                 place_row_scales<FMT>(ep, a, rk, kTiled ? swizzle_row(s_tiles, s_offsets, g, rk) : rk, scales, lane,
                                       kWarp);
-            if (k != first)
-                warp_copy16(tokens + rk * pb, tokens + first_row * pb, min(static_cast<long long>(kFanoutChunk), pb), lane);
+            if ((copy_to >> k) & 1u)
+                warp_copy16(tokens + rk * pb, payload, min(static_cast<long long>(kFanoutChunk), pb), lane);
         }
     }
 
@@ -637,9 +882,12 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
     CUEP_TRACE(ep, blockIdx.x == gridDim.x - 1, 9);
     // Last block: re-arm the ready tags of this round's messages, then advance the round.
     if (!last_block_done(ctr + C_DONE_RECV, s_flag, /*peer_writes=*/false)) return;
-    for (int s = 0; s < n_src; ++s)
+    for (int s = 0; s < n_src; ++s) {
+        const bool staged = staged_source(ep, s_tally, s);
         for (int i = threadIdx.x; i < s_msg_count[s]; i += blockDim.x)
-            reinterpret_cast<int*>(ep.local(ep[P_OFF_META]) + (s * T_max + i) * ep[P_META_BYTES])[1] = 0;
+            reinterpret_cast<int*>(staged ? stage_record(ep, rank, par, s, i)
+                                          : ep.local(ep[P_OFF_META]) + (s * T_max + i) * ep[P_META_BYTES])[1] = 0;
+    }
     if (threadIdx.x == 0) {
         ctr[C_DONE_RECV] = 0;
         ctr[C_RECV_ITEM] = 0;
@@ -662,7 +910,7 @@ __device__ void dispatch_kernel(const long long* params, DispatchArgs a, int pha
     const int recv_round = *reinterpret_cast<volatile int*>(ctr + C_RECV_ROUND);
     __syncthreads();
     CUEP_TRACE(ep, blockIdx.x == 0, 0);
-    if (phases & kPhaseNotify) phase_notify(ep, a, send_round, &s_flag);
+    if (phases & kPhaseNotify) phase_notify(ep, a, send_round, &s_flag, smem);
     // In one fused launch half of the blocks only receive, so the fan-out runs while tokens are still being sent
     // (CUEP_RECV_BLOCK_DIV: 1 / share of receive-only blocks; 0 = every block sends first). 2 x H200, N = 4096
     // bf16: every block sending first 347 us, a quarter receiving 311 us, half 293 us.
@@ -670,7 +918,8 @@ __device__ void dispatch_kernel(const long long* params, DispatchArgs a, int pha
 #define CUEP_RECV_BLOCK_DIV 2
 #endif
     if (phases & kPhaseSend)
-        phase_send<FMT, T>(ep, a, send_round, smem, &s_flag, send_block_count(phases, CUEP_RECV_BLOCK_DIV));
+        phase_send<FMT, T>(ep, a, send_round, smem, &s_flag, send_block_count(phases, CUEP_RECV_BLOCK_DIV),
+                           (phases & kPhaseNotify) != 0);
     if (phases & kPhaseRecv) phase_recv<FMT>(ep, a, recv_round, smem, &s_flag);
 }
 

@@ -36,15 +36,16 @@ enum Param : int {
     P_META_ROWS,
     P_META_SCALES,
     P_COMBINE_ITEMSIZE,
+    P_SMALL_TOKENS,     // small_batch_tokens: a round of at most this many tokens takes the staged protocol (0: off)
     P_OFF_TOKENS,
     P_OFF_COMB_RECV,
     P_OFF_META,
     P_OFF_TALLY,
-    P_OFF_HIST_FLAG,
     P_OFF_COMB_READY,
     P_OFF_COMB_ARRIVED,
     P_OFF_COUNTERS,
     P_OFF_SCRATCH,      // private: per-choice slots [T, K], per-(token, rank) message slots [T, 8], rank masks [T]
+    P_OFF_STAGE,        // small rounds' messages [2 parities, n_src, small_tokens] x (meta | payload)
     P_TIMEOUT_NS,
     P_ERR_PTR,          // ErrorRecord* in host-mapped memory
     P_PEER_BASE,        // 8 entries: base address of each rank's symmetric buffer
@@ -55,7 +56,7 @@ constexpr int kMaxRanks = 8;
 
 // Private int32 counters (offsets into the counters region).
 enum Counter : int {
-    // 0-7: unused
+    C_SMALL_TALLY = 0,    // round + 1 once block 0 issued a small round's tally stores (dispatch); 1-7: unused
     C_DISP_ROUND = 8,     // dispatch send rounds completed
     C_RECV_ROUND = 9,     // dispatch receive rounds completed
     C_COMB_ROUND = 10,    // combine send rounds completed
@@ -216,15 +217,17 @@ __device__ __forceinline__ bool last_block_done(int* done, int* s_flag, bool pee
     return *s_flag != 0;
 }
 
-// Spin (all threads of the block call it) until flags[i] == want for every i < n, bounded by the timeout.
+// Spin (all threads of the block call it) until done(flags[i]) for every i < n, bounded by the timeout.
 // Returns false and records (kernel, expert=-1, src) on timeout.
-__device__ __forceinline__ bool block_wait_flags_eq(const uint64_t* flags, int n, uint64_t want, const EP& ep,
-                                                    int kernel, int* s_ok) {
+// `stride`: flags[i * stride] is flag i.
+template <class Done>
+__device__ __forceinline__ bool block_wait_flags(const uint64_t* flags, int n, Done done, const EP& ep, int kernel,
+                                                 int* s_ok, int stride = 1) {
     if (threadIdx.x == 0) *s_ok = 1;
     __syncthreads();
     if (threadIdx.x < n) {
         const uint64_t t0 = global_timer_ns();
-        while (load_acquire_u64(flags + threadIdx.x) != want) {
+        while (!done(load_acquire_u64(flags + static_cast<long long>(threadIdx.x) * stride))) {
             if (global_timer_ns() - t0 > static_cast<uint64_t>(ep[P_TIMEOUT_NS])) {
                 report_error(ep, kStatusTimeout, kernel, -1, threadIdx.x);
                 *s_ok = 0;
@@ -235,6 +238,10 @@ __device__ __forceinline__ bool block_wait_flags_eq(const uint64_t* flags, int n
     }
     __syncthreads();
     return *s_ok != 0;
+}
+__device__ __forceinline__ bool block_wait_flags_eq(const uint64_t* flags, int n, uint64_t want, const EP& ep,
+                                                    int kernel, int* s_ok) {
+    return block_wait_flags(flags, n, [want](uint64_t v) { return v == want; }, ep, kernel, s_ok);
 }
 
 // Same, until flags[i] != kEmpty; the values are left in s_vals[i].
