@@ -117,16 +117,14 @@ def test_cuda_graph_replay(devices, rng):
                 np.testing.assert_allclose(out[i].get().astype(np.float32), want, rtol=3e-2, atol=3e-2)
 
 
-@pytest.mark.gpu
-def test_wait_times_out_with_a_clear_error_and_recovers(rng):
-    """Only rank 0 runs its send half: it must give up after the timeout, report whom it waited for, and the
-    buffer must work again after reset()."""
+def rank0_alone(small_batch_tokens, phases, rng):
+    """Two ranks on GPU 0, 16 tokens each, a 0.2 s timeout; only rank 0 runs its dispatch kernel (phase bits
+    `phases`), so whatever it waits for from rank 1 never comes. Returns (cfg, buf, x, ids) once it is done."""
     import cupy
     from cuep import ep as ep_mod
 
-    # the direct protocol (a small round's send half waits for nobody in its first round: see the next test)
     cfg = cuep.EPConfig(hidden=256, top_k=2, n_experts=8, max_tokens_per_rank=16, n_gpus_per_node=2,
-                        small_batch_tokens=0)
+                        small_batch_tokens=small_batch_tokens)
     buf = cuep.Buffer(cuep.init([0, 0]), cfg, timeout_s=0.2)
     xs, ids, ws = make_inputs(rng, cfg, [16, 16])
     gx, gids = to_devices(buf.group, xs), to_devices(buf.group, ids)
@@ -136,8 +134,16 @@ def test_wait_times_out_with_a_clear_error_and_recovers(rng):
     z = ep_mod._NULL
     fn((buf.num_sms,), (threads,), (r.params, gx[0], gids[0], z, np.int32(16), np.float32(1), z, r.row_offsets,
                                 r.expert_ids, z, r.src_info, r.row_src, r.row_weight, r.msg_rows, r.msg_token,
-                                r.msg_j, r.msg_count, np.int32(3)), shared_mem=smem)
+                                r.msg_j, r.msg_count, np.int32(phases)), shared_mem=smem)
     cupy.cuda.Device(0).synchronize()
+    return cfg, buf, gx, gids
+
+
+@pytest.mark.gpu
+def test_wait_times_out_with_a_clear_error_and_recovers(rng):
+    """Only rank 0 runs its send half (direct protocol: notify + send wait for every rank's histogram): it must give
+    up after the timeout, report whom it waited for, and the buffer must work again after reset()."""
+    cfg, buf, gx, gids = rank0_alone(0, 3, rng)
     with pytest.raises(cuep.EPError, match="timed out.*rank 1"):
         buf.check()
     with pytest.raises(cuep.EPError):  # the next call refuses to run on a failed buffer
@@ -148,24 +154,10 @@ def test_wait_times_out_with_a_clear_error_and_recovers(rng):
 
 @pytest.mark.gpu
 def test_small_round_wait_times_out_with_a_clear_error_and_recovers(rng):
-    """A small (staged) round: rank 0's send half runs, its receive half waits for rank 1's histogram, which never
-    comes; then the next round after reset() must not see the staged messages of the failed one."""
-    import cupy
-    from cuep import ep as ep_mod
-
-    cfg = cuep.EPConfig(hidden=256, top_k=2, n_experts=8, max_tokens_per_rank=16, n_gpus_per_node=2)
+    """A small (staged) round: rank 0's send half waits for nobody in a first round, its receive half waits for
+    rank 1's histogram, which never comes; the next rounds after reset() must not see the failed one's messages."""
+    cfg, buf, gx, gids = rank0_alone(16, 7, rng)
     assert cfg.small_batch_tokens == 16
-    buf = cuep.Buffer(cuep.init([0, 0]), cfg, timeout_s=0.2)
-    xs, ids, ws = make_inputs(rng, cfg, [16, 16])
-    gx, gids = to_devices(buf.group, xs), to_devices(buf.group, ids)
-    r = buf._ranks[0]
-    threads, smem = ep_mod._dispatch_launch(buf, staged=False)
-    fn = ep_mod._kernel("dispatch.cu:cuep_dispatch_bf16_from_bf16", smem)
-    z = ep_mod._NULL
-    fn((buf.num_sms,), (threads,), (r.params, gx[0], gids[0], z, np.int32(16), np.float32(1), z, r.row_offsets,
-                                r.expert_ids, z, r.src_info, r.row_src, r.row_weight, r.msg_rows, r.msg_token,
-                                r.msg_j, r.msg_count, np.int32(7)), shared_mem=smem)
-    cupy.cuda.Device(0).synchronize()
     with pytest.raises(cuep.EPError, match="dispatch \\(receive\\) timed out.*rank 1"):
         buf.check()
     buf.reset()

@@ -272,10 +272,15 @@ __device__ __forceinline__ bool small_round(const EP& ep, int num_tokens) {
 __device__ __forceinline__ bool staged_source(const EP& ep, const int* s_tally, int s) {
     return ep[P_SMALL_TOKENS] > 0 && s_tally[s * tally_len(ep) + ep[P_N_EXPERTS]] <= ep[P_SMALL_TOKENS];
 }
-// Message record i of source s at parity par in rank `rank`'s staging area: meta_bytes of metadata, then payload.
-__device__ __forceinline__ char* stage_record(const EP& ep, int rank, int par, int s, int i) {
-    const long long rec = ep[P_META_BYTES] + ep[P_PAYLOAD_BYTES];
-    return ep.peer(rank, ep[P_OFF_STAGE]) + ((par * ep[P_N_SRC] + s) * ep[P_SMALL_TOKENS] + i) * rec;
+// The metadata record of message i of source s in rank `rank`'s buffer (its first int is the token, its second the
+// ready tag). Staged (a small round): record i of the staging area at parity par, metadata then payload. Direct:
+// the meta region (the payload went to the row of the token's first local expert).
+__device__ __forceinline__ char* message_meta(const EP& ep, int rank, bool staged, int par, int s, int i) {
+    if (staged) {
+        const long long rec = ep[P_META_BYTES] + ep[P_PAYLOAD_BYTES];
+        return ep.peer(rank, ep[P_OFF_STAGE]) + ((par * ep[P_N_SRC] + s) * ep[P_SMALL_TOKENS] + i) * rec;
+    }
+    return ep.peer(rank, ep[P_OFF_META]) + (s * ep[P_MAX_TOKENS] + i) * ep[P_META_BYTES];
 }
 
 constexpr int kSmallRanges = 16;     // token ranges of the in-order position count
@@ -527,14 +532,11 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
         if (!(blockIdx.x == 0 && book_ready)) small_bookkeeping(ep, a, book, /*report=*/false);
         if (!small_round_ready(ep, round, &s_ok)) return;
         CUEP_TRACE(ep, blockIdx.x == 0, 3);
-        if (threadIdx.x == 0) {
-            const uint64_t t0 = global_timer_ns();
-            while (load_acquire_i32(ctr + C_SMALL_TALLY) < round + 1) {
-                if (has_failed(ep) || global_timer_ns() - t0 > static_cast<uint64_t>(ep[P_TIMEOUT_NS])) break;
-                __nanosleep(32);
-            }
-        }
+        if (warp == 0 && !warp_wait_until(ctr + C_SMALL_TALLY, [round](int v) { return v >= round + 1; }, ep,
+                                          K_DISPATCH_SEND, -1, lane))
+            s_ok = 0;
         __syncthreads();
+        if (!s_ok) return;
     } else {
         // 1. Every source's histogram of this round (also: every destination is ready for it).
         if (!load_tallies(ep, round, s_tally, K_DISPATCH_SEND, &s_ok)) return;
@@ -547,12 +549,6 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
             });
         }
     }
-    // Where message (destination d, slot) goes: its metadata record, and its payload (the staging record of a
-    // small round, else the destination's row of the token's first expert there).
-    const long long T_max = ep[P_MAX_TOKENS];
-    auto message_meta = [&](int d, int slot) -> char* {
-        return small ? stage_record(ep, d, par, me, slot) : ep.peer(d, ep[P_OFF_META]) + (me * T_max + slot) * ep[P_META_BYTES];
-    };
 
     CUEP_TRACE(ep, blockIdx.x == 0, 4);
     // 2. Items (token, chunk of whole 256-value spans), one warp each; lane k holds top-k choice k. A prefill batch
@@ -561,6 +557,10 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
     // into the message's ready tag (message_tag_*), so the receiver knows when all of a message has landed.
     const int* pos = scratch_pos(ep);
     const int* slots = scratch_slot(ep);
+    // The message slot of (token t, destination d): from the small round's book, else from notify's scratch.
+    auto message_slot = [&](int t, int d) -> int {
+        return small ? book.slot[t * kMaxRanks + d] : slots[static_cast<long long>(t) * kMaxRanks + d];
+    };
     const int n_spans = (H + kWarpSpan - 1) / kWarpSpan;
     const int spans_per_chunk = static_cast<int>(max(
         chunk_units(a.num_tokens, n_spans, 1, static_cast<long long>(send_blocks) * n_warps),
@@ -633,8 +633,7 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
             sent |= 1u << d;
             const int first = __ffs(mask) - 1;
             const int first_row = __shfl_sync(0xffffffffu, row, first);
-            const int slot = small ? book.slot[t * kMaxRanks + d] : slots[static_cast<long long>(t) * kMaxRanks + d];
-            char* meta = message_meta(d, slot);
+            char* meta = message_meta(ep, d, small, par, me, message_slot(t, d));
             char* dst = small ? meta + ep[P_META_BYTES] : ep.peer(d, ep[P_OFF_TOKENS]) + first_row * pb;
             warp_copy16(dst + p_lo, payload + p_lo, p_hi - p_lo, lane);
             if (ch == 0) {
@@ -656,8 +655,8 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
             fence_sys();
             for (unsigned m = sent; m; m &= m - 1) {
                 const int d = __ffs(m) - 1;
-                const int slot = small ? book.slot[t * kMaxRanks + d] : slots[static_cast<long long>(t) * kMaxRanks + d];
-                message_tag_add(reinterpret_cast<int*>(message_meta(d, slot)) + 1, round, ch, n_chunks);
+                message_tag_add(reinterpret_cast<int*>(message_meta(ep, d, small, par, me, message_slot(t, d))) + 1,
+                                round, ch, n_chunks);
             }
         }
         if (ep[P_SHARED]) {
@@ -770,8 +769,7 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
         // a small round's message sits in the staging area; a large round's metadata in the meta region and its
         // payload already in the row of the token's first local expert
         const bool staged = staged_source(ep, s_tally, s);
-        const char* meta = staged ? stage_record(ep, rank, par, s, i)
-                                  : ep.local(ep[P_OFF_META]) + (s * T_max + i) * ep[P_META_BYTES];
+        const char* meta = message_meta(ep, rank, staged, par, s, i);
         if (!warp_wait_until(reinterpret_cast<const int*>(meta) + 1,
                              [round](int v) { return message_complete(static_cast<unsigned>(v), round); }, ep,
                              K_DISPATCH_RECV, s, lane))
@@ -885,8 +883,7 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
     for (int s = 0; s < n_src; ++s) {
         const bool staged = staged_source(ep, s_tally, s);
         for (int i = threadIdx.x; i < s_msg_count[s]; i += blockDim.x)
-            reinterpret_cast<int*>(staged ? stage_record(ep, rank, par, s, i)
-                                          : ep.local(ep[P_OFF_META]) + (s * T_max + i) * ep[P_META_BYTES])[1] = 0;
+            reinterpret_cast<int*>(message_meta(ep, rank, staged, par, s, i))[1] = 0;
     }
     if (threadIdx.x == 0) {
         ctr[C_DONE_RECV] = 0;
