@@ -3,7 +3,8 @@
 One allocation per rank (a direct ``cudaMalloc`` through ``cupy.cuda.Memory``, so it can also be shared through
 CUDA IPC), carved into the regions ``EPConfig.buffer_regions`` names; the same offsets on every rank, so a peer's
 region is its base address plus the offset. A small int64 parameter block per rank (sizes, offsets, the peer
-base table) is what every kernel reads; ``PARAM_FIELDS`` lists it in the order of ``enum Param`` in ``ep.cuh``.
+base table) is what every kernel reads, passed by value (``EPParams`` in ``ep.cuh``); ``PARAM_FIELDS`` lists it
+in the order of ``enum Param`` there.
 
 Who sees which base address is the group's business (:meth:`cuep.Group.share_buffers`): the pointers themselves
 when one process drives every rank, CUDA IPC mappings when each rank is its own process. With one process per
@@ -34,6 +35,16 @@ PARAM_FIELDS = [
     "off_comb_arrived", "off_counters", "off_scratch", "off_stage", "timeout_ns", "err_ptr",
 ] + [f"peer_base{i}" for i in range(8)]
 
+
+def params_argument(values) -> np.void:
+    """The parameter block as the kernels take it: ``EPParams`` by value (int64 fields in ``PARAM_FIELDS`` order)."""
+    arr = np.asarray(values, dtype=np.int64)
+    if arr.shape != (len(PARAM_FIELDS),):
+        raise ValueError(f"{arr.shape[0] if arr.ndim == 1 else arr.shape} parameter values; expected "
+                         f"{len(PARAM_FIELDS)} (PARAM_FIELDS)")
+    return np.frombuffer(arr.tobytes(), dtype=np.dtype((np.void, arr.nbytes)))[0]
+
+
 MAX_TOP_K = 32  # one warp lane per top-k choice
 EMPTY = np.uint64(0xFFFFFFFFFFFFFFFF)
 ERROR_STATUS = {1: "timed out waiting", 2: "expert id out of range", 3: "same expert twice in one token's top-k"}
@@ -51,7 +62,7 @@ class _Rank:
     rank: int
     device: int
     mem: object                 # cupy.cuda.Memory: the symmetric allocation
-    params: object              # cupy int64 [len(PARAM_FIELDS)]
+    params: object              # numpy.void: the int64 [len(PARAM_FIELDS)] block, a kernel argument by value
     err_host: np.ndarray        # int32 [4] view of host-mapped memory: status, kernel, expert, src
     err_host_ptr: int
     # dispatch outputs (persistent, reused every round)
@@ -182,7 +193,7 @@ class Buffer:
             scales = None
         G, S, T, K = cfg.n_groups, cfg.n_source_ranks, cfg.max_tokens_per_rank, cfg.top_k
         return _Rank(
-            rank=rank, device=dev, mem=mem, params=cupy.zeros(len(PARAM_FIELDS), dtype=cupy.int64),
+            rank=rank, device=dev, mem=mem, params=None,
             err_host=err, err_host_ptr=dptr, tokens=tokens, scales=scales,
             row_offsets=cupy.zeros(G + 1, dtype=cupy.uint32), expert_ids=cupy.zeros(G, dtype=cupy.int32),
             scales_offsets=cupy.zeros(G, dtype=cupy.uint32) if cfg.fmt.swizzled_scales else None,
@@ -198,8 +209,6 @@ class Buffer:
         return list(self._bases) + [0] * (8 - len(self._bases))
 
     def _write_params(self) -> None:
-        import cupy
-
         cfg, m = self.cfg, self.cfg.message
         regions = cfg.buffer_regions
         bases = self._peer_bases()
@@ -218,9 +227,7 @@ class Buffer:
                                                        "comb_ready", "comb_arrived", "counters",
                                                        "scratch", "stage")},
                 **{f"peer_base{i}": bases[i] for i in range(8)})
-            arr = np.array([v[f] for f in PARAM_FIELDS], dtype=np.int64)
-            with cupy.cuda.Device(r.device):
-                r.params.set(arr)
+            r.params = params_argument([v[f] for f in PARAM_FIELDS])
 
     # ---- state ---------------------------------------------------------------------------------------------
     @property

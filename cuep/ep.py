@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,6 +29,9 @@ from .buffer import Buffer
 from .formats import GLOBAL_SCALE_MAX, GLOBAL_SCALE_MIN
 
 PHASE_NOTIFY, PHASE_SEND, PHASE_RECV = 1, 2, 4
+# Measurement knobs (ep.cuh, kKnob*): bits 8 and up of the dispatch kernel's phase argument, from the environment,
+# so one build times both sides of a design choice (development only; unset in use).
+_KNOBS = int(os.environ.get("CUEP_EP_KNOBS", "0"), 0) & ~0xFF
 MODE_PARTIAL, MODE_WEIGHTED, MODE_UNREDUCED = 0, 1, 2
 _THREADS = 512
 _NULL = np.uint64(0)
@@ -296,7 +300,7 @@ def _dispatch(buf: Buffer, x, topk_ids, topk_weights, global_scale: float, phase
             args = (r.params, xs[i], ids[i], ws[i] if ws[i] is not None else _NULL, np.int32(xs[i].shape[0]),
                     np.float32(global_scale), sc if sc is not None else _NULL, r.row_offsets, r.expert_ids,
                     r.scales_offsets if r.scales_offsets is not None else _NULL, r.src_info, r.row_src,
-                    r.row_weight, r.msg_rows, r.msg_token, r.msg_j, r.msg_count, np.int32(ph))
+                    r.row_weight, r.msg_rows, r.msg_token, r.msg_j, r.msg_count, np.int32(ph | _KNOBS))
             fn((_blocks(buf, threads),), (threads,), args, shared_mem=smem)
     return results
 
@@ -360,7 +364,7 @@ def dispatch_wait(pending):
             args = (r.params, _NULL, _NULL, _NULL, np.int32(d.num_tokens), np.float32(1.0),
                     r.scales if r.scales is not None else _NULL, r.row_offsets, r.expert_ids,
                     r.scales_offsets if r.scales_offsets is not None else _NULL, r.src_info, r.row_src,
-                    r.row_weight, r.msg_rows, r.msg_token, r.msg_j, r.msg_count, np.int32(ph))
+                    r.row_weight, r.msg_rows, r.msg_token, r.msg_j, r.msg_count, np.int32(ph | _KNOBS))
             fn((_blocks(buf, threads),), (threads,), args, shared_mem=smem)
     return pending
 

@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 
+import numpy as np
 import pytest
 
 from cuep import _kernels, formats
@@ -108,6 +109,18 @@ def test_param_block_matches_header():
     want = [f.upper() for f in PARAM_FIELDS if not f.startswith("peer_base")] + ["PEER_BASE"]
     assert names == want
     assert len(PARAM_FIELDS) == len(names) - 1 + 8
+
+
+def test_params_argument_is_the_struct_by_value():
+    """The kernels take EPParams (P_COUNT int64) by value: the argument is exactly those bytes, in field order."""
+    from cuep.buffer import PARAM_FIELDS, params_argument
+
+    values = [(i + 1) * 0x0101010101 - (3 if i % 5 == 0 else 0) for i in range(len(PARAM_FIELDS))]
+    arg = params_argument(values)
+    assert isinstance(arg, np.void) and arg.dtype.itemsize == 8 * len(PARAM_FIELDS)
+    assert np.frombuffer(arg.tobytes(), dtype=np.int64).tolist() == values
+    with pytest.raises(ValueError, match="parameter values; expected"):
+        params_argument(values[:-1])
 
 
 def test_dynamic_shared_memory_opt_in(monkeypatch):

@@ -554,9 +554,9 @@ __device__ void phase_recv(const EP& ep, const CombineArgs& a, int* s_flag) {
 }  // namespace
 
 template <typename TC>
-__device__ void combine_kernel(const long long* params, const CombineArgs& a, int phases) {
+__device__ void combine_kernel(const EPParams& params, const CombineArgs& a, int phases) {
     __shared__ int s_flag;
-    const EP ep{params};
+    const EP ep{params.v};
     if (has_failed(ep)) return;
     const int round = *reinterpret_cast<volatile int*>(ep.counters() + C_COMB_ROUND);
     __syncthreads();
@@ -575,7 +575,8 @@ __device__ void combine_kernel(const long long* params, const CombineArgs& a, in
 
 #define CUEP_COMBINE(NAME, TC)                                                                               \
     extern "C" __global__ void __launch_bounds__(kCombineThreads) NAME(                                      \
-        const long long* params, const void* expert_out, const int* src_info, const int* row_src,            \
+        const __grid_constant__ EPParams params, const void* expert_out, const int* src_info,                \
+        const int* row_src,                                                                                  \
         const float* row_weight, const int* msg_rows, const int* msg_token, const int* msg_j,                \
         const int* msg_count, const unsigned* row_offsets, const int* topk_ids, const float* topk_weights,   \
         const void* residual, void* out, int num_tokens, int mode, int phases) {                             \

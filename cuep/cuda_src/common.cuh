@@ -52,6 +52,28 @@ __device__ __forceinline__ void warp_copy16(void* __restrict__ dst, const void* 
     block_copy16<4>(dst, src, nbytes, lane, kWarp);
 }
 
+// One warp's registers holding up to 32 x kVec 16-byte vectors (lane l holds vectors l, l + 32, ...): a chunk is
+// loaded once and stored to several places (a token's rows, or its destination ranks). A copy per destination
+// re-loads the source each time, and the loads after the first wait behind the previous stores: 8 rows of one
+// decode token took 4 us that way, one L2 round trip each.
+template <int kVec>
+struct WarpVectors {
+    static constexpr int kBytes = kVec * kWarp * 16;  // the most one load covers
+    int4 v[kVec];
+    __device__ __forceinline__ void load(const void* src, int nbytes, int lane) {
+        const int4* s = reinterpret_cast<const int4*>(src);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j)
+            if ((lane + j * kWarp) * 16 < nbytes) v[j] = s[lane + j * kWarp];
+    }
+    __device__ __forceinline__ void store(void* dst, int nbytes, int lane) const {
+        int4* d = reinterpret_cast<int4*>(dst);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j)
+            if ((lane + j * kWarp) * 16 < nbytes) d[lane + j * kWarp] = v[j];
+    }
+};
+
 // ---- memory order (system scope: peers write our memory over NVLink) ------------------------------------
 __device__ __forceinline__ uint64_t load_acquire_u64(const uint64_t* p) {
     uint64_t v;

@@ -498,7 +498,7 @@ __device__ void phase_notify(const EP& ep, const DispatchArgs& a, int round, int
 // straight from x for bf16) and store it to each destination rank it goes to.
 template <int FMT, typename T>
 __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char* smem, int* s_flag, int send_blocks,
-                           bool book_ready) {
+                           bool book_ready, int knobs) {
     const int E = static_cast<int>(ep[P_N_EXPERTS]), K = static_cast<int>(ep[P_TOP_K]);
     const int L = static_cast<int>(ep[P_N_LOCAL]), H = static_cast<int>(ep[P_HIDDEN]);
     const int R = static_cast<int>(ep[P_N_RANKS]), rank = static_cast<int>(ep[P_RANK]);
@@ -532,8 +532,9 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
         if (!(blockIdx.x == 0 && book_ready)) small_bookkeeping(ep, a, book, /*report=*/false);
         if (!small_round_ready(ep, round, &s_ok)) return;
         CUEP_TRACE(ep, blockIdx.x == 0, 3);
-        if (warp == 0 && !warp_wait_until(ctr + C_SMALL_TALLY, [round](int v) { return v >= round + 1; }, ep,
-                                          K_DISPATCH_SEND, -1, lane))
+        if (warp == 0 && !(knobs & kKnobNoTallyWait) &&
+            !warp_wait_until(ctr + C_SMALL_TALLY, [round](int v) { return v >= round + 1; }, ep, K_DISPATCH_SEND,
+                             -1, lane))
             s_ok = 0;
         __syncthreads();
         if (!s_ok) return;
@@ -551,6 +552,7 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
     }
 
     CUEP_TRACE(ep, blockIdx.x == 0, 4);
+    CUEP_TRACE_LATEST(ep, threadIdx.x == 0, 28);
     // 2. Items (token, chunk of whole 256-value spans), one warp each; lane k holds top-k choice k. A prefill batch
     // keeps one chunk (one warp) per token; a decode batch spreads each token over several warps (one warp
     // storing a whole token to every destination was what a small batch waited for). Every chunk counts itself
@@ -567,6 +569,7 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
         static_cast<long long>((n_spans + kMaxChunks - 1) / kMaxChunks)));
     const int n_chunks = (n_spans + spans_per_chunk - 1) / spans_per_chunk;
     using S = typename FormatTraits<FMT>::Scale;
+    using SendVectors = WarpVectors<4>;
     // Consecutive items go to different blocks (SMs) first, so a small batch still spreads over the GPU.
     for (int item = warp * send_blocks + blockIdx.x; item < a.num_tokens * n_chunks; item += send_blocks * n_warps) {
         const int t = item / n_chunks, ch = item % n_chunks;
@@ -626,6 +629,8 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
         // destination took three GPUs' traffic at a time, and the 4-GPU send half ran at 210 GB/s against the
         // 350 GB/s of an all-to-all copy kernel.
         unsigned sent = 0;  // destinations of this item
+        int n_dst = 0;      // how many; lane j < n_dst holds the payload address of the j-th (in the order below)
+        unsigned long long lane_dst = 0;
         for (int i = 0; i < R; ++i) {
             const int d = (t + rank + i) % R;
             const unsigned mask = __ballot_sync(0xffffffffu, r == d);
@@ -635,7 +640,8 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
             const int first_row = __shfl_sync(0xffffffffu, row, first);
             char* meta = message_meta(ep, d, small, par, me, message_slot(t, d));
             char* dst = small ? meta + ep[P_META_BYTES] : ep.peer(d, ep[P_OFF_TOKENS]) + first_row * pb;
-            warp_copy16(dst + p_lo, payload + p_lo, p_hi - p_lo, lane);
+            if (lane == n_dst) lane_dst = reinterpret_cast<unsigned long long>(dst);
+            ++n_dst;
             if (ch == 0) {
                 if (lane == 0) *reinterpret_cast<int*>(meta) = t;
                 if (lane < K) {
@@ -646,6 +652,19 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
             }
             for (int b = s_lo + 8 * lane; b < s_hi; b += 8 * kWarp)
                 *reinterpret_cast<uint2*>(meta + ep[P_META_SCALES] + b) = *reinterpret_cast<const uint2*>(s_scales + b);
+        }
+        if (ep[P_SHARED]) {  // my own token is also row t of my shared-expert group 0
+            if (lane == n_dst) lane_dst = reinterpret_cast<unsigned long long>(ep.local(ep[P_OFF_TOKENS]) + t * pb);
+            ++n_dst;
+        }
+        // The chunk's payload, 2 KB at a time: loaded once, stored to every destination (a copy per destination
+        // loaded it again behind the previous destination's stores).
+        for (long long b = p_lo; b < p_hi; b += SendVectors::kBytes) {
+            const int n = static_cast<int>(min(static_cast<long long>(SendVectors::kBytes), p_hi - b));
+            SendVectors v;
+            v.load(payload + b, n, lane);
+            for (int j = 0; j < n_dst; ++j)
+                v.store(reinterpret_cast<char*>(__shfl_sync(0xffffffffu, lane_dst, j)) + b, n, lane);
         }
         // The chunk counts itself into each destination's ready tag last: the warp's stores above happen before
         // the tags (warp barrier, then one system-scope fence for all destinations: a release per destination
@@ -660,9 +679,8 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
             }
         }
         if (ep[P_SHARED]) {
-            // My own token is row t of my shared-expert group 0 (its scales too).
+            // My own token is row t of my shared-expert group 0 (its payload went with the destinations' above).
             const long long srow = t;
-            warp_copy16(ep.local(ep[P_OFF_TOKENS]) + srow * pb + p_lo, payload + p_lo, p_hi - p_lo, lane);
             if (sb) place_row_scales<FMT>(ep, a, srow, srow, s_scales, lane, kWarp, s_lo / int(sizeof(S)),
                                           last ? (1 << 30) : s_hi / int(sizeof(S)));
             if (lane == 0 && ch == 0) {
@@ -676,6 +694,7 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
     }
 
     CUEP_TRACE(ep, blockIdx.x == 0, 5);
+    CUEP_TRACE_LATEST(ep, lane == 0, 23);
     }
 done:
     // 3. Last block: advance the round (every message already carries its own ready tag).
@@ -687,9 +706,10 @@ done:
     }
 }
 
-// recv: wait for every source, then lay the round out.
+// recv: wait for every source, then lay the round out. Blocks [first_block, grid) take part (see dispatch_kernel).
 template <int FMT>
-__device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char* smem, int* s_flag) {
+__device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char* smem, int* s_flag, int first_block) {
+    const int block = static_cast<int>(blockIdx.x) - first_block, n_blocks = static_cast<int>(gridDim.x) - first_block;
     const int E = static_cast<int>(ep[P_N_EXPERTS]), K = static_cast<int>(ep[P_TOP_K]);
     const int L = static_cast<int>(ep[P_N_LOCAL]), rank = static_cast<int>(ep[P_RANK]);
     const int n_src = static_cast<int>(ep[P_N_SRC]), G = static_cast<int>(ep[P_N_GROUPS]);
@@ -733,7 +753,7 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
         }
     }
     __syncthreads();
-    if (blockIdx.x == 0) {
+    if (block == 0) {
         for (int g = threadIdx.x; g <= G; g += blockDim.x) {
             a.row_offsets[g] = s_offsets[g];
             if (g < G) {
@@ -744,7 +764,8 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
         if (threadIdx.x < n_src) a.msg_count[threadIdx.x] = s_tally[threadIdx.x * E1 + E + 1];
     }
 
-    CUEP_TRACE(ep, blockIdx.x == gridDim.x - 1, 7);
+    CUEP_TRACE(ep, block == n_blocks - 1, 7);
+    CUEP_TRACE_LATEST(ep, threadIdx.x == 0, 29);
     // Messages, one warp each: metadata, scales, and the copies for the other local experts the token chose.
     char* tokens = ep.local(ep[P_OFF_TOKENS]);
     const int total = s_msg_total;
@@ -753,14 +774,16 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
     // every chunk copies its part of the payload to the token's other local experts' rows.
     // Bytes of payload per work item: at most 2 KiB even for prefill (measured: whole 14 KiB rows per warp left
     // the fan-out 30% slower on H100 than 2 KiB chunks), smaller when there are few messages.
-    const long long kFanoutChunk = min(chunk_units(total, pb, kWarp * 16), 2048LL);
+    const long long kFanoutChunk = min(chunk_units(total, pb, kWarp * 16, static_cast<long long>(n_blocks) * n_warps),
+                                       2048LL);
+    using FanoutVectors = WarpVectors<4>;
+    static_assert(FanoutVectors::kBytes == 2048, "a fan-out chunk is loaded into registers at once");
     const int n_chunks = static_cast<int>((pb + kFanoutChunk - 1) / kFanoutChunk);
     // Items are claimed in order with an atomic (lane 0), so blocks that finish sending early, or receive-only
     // blocks, take whatever is next: the fan-out follows the incoming stream. The order interleaves the sources
     // (message slots fill in roughly the order the senders send), so no warp waits for one source while messages
     // of the others have landed (in source order: 4 x H200 fused dispatch 615 us against a 506 us send half).
     int* next_item = ctr + C_RECV_ITEM;
-    (void)n_warps;
     const SourceInterleave order{s_msg_count, n_src, n_chunks, 0, n_src * s_msg_most * n_chunks};
     for (int item = __shfl_sync(0xffffffffu, lane == 0 ? atomicAdd(next_item, 1) : 0, 0); item < order.n_items;
          item = __shfl_sync(0xffffffffu, lane == 0 ? atomicAdd(next_item, 1) : 0, 0)) {
@@ -774,6 +797,7 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
                              [round](int v) { return message_complete(static_cast<unsigned>(v), round); }, ep,
                              K_DISPATCH_RECV, s, lane))
             break;
+        CUEP_TRACE_LATEST(ep, lane == 0, 24);
         const int t = *reinterpret_cast<const int*>(meta);
         const uint8_t* scales = reinterpret_cast<const uint8_t*>(meta + ep[P_META_SCALES]);
         const int src_rank = ep[P_SKIP_A2A] ? rank : s;
@@ -793,12 +817,15 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
         // the payload's source, and the local rows it still has to reach (staged: all of them)
         const char* payload = staged ? meta + ep[P_META_BYTES] : tokens + first_row * pb;
         const unsigned copy_to = staged ? local : local & (local - 1);
+        // this chunk of the payload, loaded once (kFanoutChunk <= FanoutVectors::kBytes) for all of its rows
+        const long long off = static_cast<long long>(ch) * kFanoutChunk;
+        const int n = static_cast<int>(min(static_cast<long long>(kFanoutChunk), pb - off));
+        FanoutVectors chunk;
+        if (copy_to) chunk.load(payload + off, n, lane);
         if (ch != 0) {  // payload chunk only
-            const long long off = static_cast<long long>(ch) * kFanoutChunk;
-            const long long n = min(static_cast<long long>(kFanoutChunk), pb - off);
             for (unsigned rest = copy_to; rest; rest &= rest - 1) {
                 const int rk = __shfl_sync(0xffffffffu, row, __ffs(rest) - 1);
-                warp_copy16(tokens + rk * pb + off, payload + off, n, lane);
+                chunk.store(tokens + rk * pb + off, n, lane);
             }
             continue;
         }
@@ -835,14 +862,14 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
             if (ep[P_SCALE_BYTES])
                 place_row_scales<FMT>(ep, a, rk, kTiled ? swizzle_row(s_tiles, s_offsets, g, rk) : rk, scales, lane,
                                       kWarp);
-            if ((copy_to >> k) & 1u)
-                warp_copy16(tokens + rk * pb, payload, min(static_cast<long long>(kFanoutChunk), pb), lane);
+            if ((copy_to >> k) & 1u) chunk.store(tokens + rk * pb, n, lane);
         }
+        CUEP_TRACE_LATEST(ep, lane == 0, 25);
     }
 
-    CUEP_TRACE(ep, blockIdx.x == gridDim.x - 1, 8);
+    CUEP_TRACE(ep, block == n_blocks - 1, 8);
     // Padding: fp8 rows up to each group's multiple of 4; fp4 scale tiles past each group's last row.
-    for (int g = blockIdx.x; g < G; g += gridDim.x) {
+    for (int g = block; g < G; g += n_blocks) {
         const unsigned begin = s_offsets[g], end = s_offsets[g + 1];
         unsigned used = end;
         if (sh && g == 0) used = s_tally[(ep[P_SKIP_A2A] ? 0 : rank) * E1 + E];
@@ -877,9 +904,11 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
         }
     }
 
-    CUEP_TRACE(ep, blockIdx.x == gridDim.x - 1, 9);
+    CUEP_TRACE(ep, block == n_blocks - 1, 9);
+    CUEP_TRACE_LATEST(ep, threadIdx.x == 0, 26);
     // Last block: re-arm the ready tags of this round's messages, then advance the round.
-    if (!last_block_done(ctr + C_DONE_RECV, s_flag, /*peer_writes=*/false)) return;
+    if (!last_block_done(ctr + C_DONE_RECV, s_flag, /*peer_writes=*/false, n_blocks)) return;
+    CUEP_TRACE(ep, true, 27);
     for (int s = 0; s < n_src; ++s) {
         const bool staged = staged_source(ep, s_tally, s);
         for (int i = threadIdx.x; i < s_msg_count[s]; i += blockDim.x)
@@ -896,10 +925,10 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
 }  // namespace
 
 template <int FMT, typename T>
-__device__ void dispatch_kernel(const long long* params, DispatchArgs a, int phases) {
+__device__ void dispatch_kernel(const EPParams& params, DispatchArgs a, int phases) {
     extern __shared__ __align__(16) char smem[];
     __shared__ int s_flag;
-    const EP ep{params};
+    const EP ep{params.v};
     if (has_failed(ep)) return;
     int* ctr = ep.counters();
     // Rounds are read once at entry: the last block of a phase advances them only after every block started.
@@ -914,15 +943,24 @@ __device__ void dispatch_kernel(const long long* params, DispatchArgs a, int pha
 #ifndef CUEP_RECV_BLOCK_DIV
 #define CUEP_RECV_BLOCK_DIV 2
 #endif
+    const int send_blocks = send_block_count(phases, CUEP_RECV_BLOCK_DIV);
     if (phases & kPhaseSend)
-        phase_send<FMT, T>(ep, a, send_round, smem, &s_flag, send_block_count(phases, CUEP_RECV_BLOCK_DIV),
-                           (phases & kPhaseNotify) != 0);
-    if (phases & kPhaseRecv) phase_recv<FMT>(ep, a, recv_round, smem, &s_flag);
+        phase_send<FMT, T>(ep, a, send_round, smem, &s_flag, send_blocks, (phases & kPhaseNotify) != 0, phases);
+    // A small round's fused launch: the blocks that sent do not receive; the receive-only blocks place the few
+    // messages of a decode round (a sender that went on to receive first loaded every tally and laid the round
+    // out again, 2 us after its last send, for items long taken). Knob kKnobSendersReceive keeps them receiving.
+    const int first_recv = (phases & kPhaseSend) && send_blocks < static_cast<int>(gridDim.x) &&
+                                   small_round(ep, a.num_tokens) && !(phases & kKnobSendersReceive)
+                               ? send_blocks
+                               : 0;
+    if ((phases & kPhaseRecv) && static_cast<int>(blockIdx.x) >= first_recv)
+        phase_recv<FMT>(ep, a, recv_round, smem, &s_flag, first_recv);
 }
 
 #define CUEP_DISPATCH(NAME, FMT, T)                                                                         \
     extern "C" __global__ void __launch_bounds__(kDispatchThreads) NAME(                                    \
-        const long long* params, const void* x, const int* topk_ids, const float* topk_weights,            \
+        const __grid_constant__ EPParams params, const void* x, const int* topk_ids,                        \
+        const float* topk_weights,                                                                          \
         int num_tokens, float global_scale, void* scales_out, unsigned* row_offsets, int* expert_ids,       \
         unsigned* scales_offsets, int* src_info, int* row_src, float* row_weight, int* msg_rows,            \
         int* msg_token, int* msg_j, int* msg_count, int phases) {                                           \

@@ -9,7 +9,7 @@
 
 namespace cuep {
 
-// Indices into the int64 parameter block built by cuep/buffer.py (PARAM_FIELDS there lists the same names in the
+// Indices into the int64 parameter block (EPParams) built by cuep/buffer.py (PARAM_FIELDS there lists the same names in the
 // same order; a CPU test checks the two agree).
 enum Param : int {
     P_RANK,
@@ -54,6 +54,14 @@ enum Param : int {
 
 constexpr int kMaxRanks = 8;
 
+// The parameter block, passed to every EP kernel by value (`const __grid_constant__ EPParams`): its fields are
+// read from the constant bank. (A pointer to it in global memory made every field a global load, and an acquire
+// load, which every wait loop does, drops the L1 copy: after each wait, chains of dependent parameter loads
+// (base address, then offset, ...) went to L2 again, 3 us of a one-token dispatch.)
+struct EPParams {
+    long long v[P_COUNT];
+};
+
 // Private int32 counters (offsets into the counters region).
 enum Counter : int {
     C_SMALL_TALLY = 0,    // round + 1 once block 0 issued a small round's tally stores (dispatch); 1-7: unused
@@ -82,6 +90,10 @@ constexpr int kStatusDuplicateExpert = 3;
 constexpr int kPhaseNotify = 1;   // publish this round's histogram (dispatch) or readiness (combine)
 constexpr int kPhaseSend = 2;     // move the data
 constexpr int kPhaseRecv = 4;     // wait for it and lay it out
+// Measurement knobs, bits 8 and up of `phases` (CUEP_EP_KNOBS in the environment, read by cuep/ep.py; 0 in use):
+// one build times both sides of a design choice.
+constexpr int kKnobSendersReceive = 1 << 8;  // dispatch, small fused round: the send blocks receive too
+constexpr int kKnobNoTallyWait = 1 << 9;     // dispatch, small round: send blocks do not wait for block 0's tallies
 
 struct EP {
     const long long* p;
@@ -103,9 +115,20 @@ struct EP {
         if (threadIdx.x == 0 && (when))                                                                  \
             (ep).counters()[C_HIST + (ep)[P_N_EXPERTS] + (i)] = static_cast<int>(global_timer_ns());      \
     } while (0)
+// The latest time any caller (a thread for which `who` holds) reached point i: unsigned atomicMax (the script
+// zeroes the points between rounds).
+#define CUEP_TRACE_LATEST(ep, who, i)                                                                       \
+    do {                                                                                                 \
+        if (who)                                                                                         \
+            atomicMax(reinterpret_cast<unsigned*>((ep).counters() + C_HIST + (ep)[P_N_EXPERTS] + (i)),    \
+                      static_cast<unsigned>(global_timer_ns()));                                          \
+    } while (0)
 #else
 #define CUEP_TRACE(ep, when, i) \
     do {                        \
+    } while (0)
+#define CUEP_TRACE_LATEST(ep, who, i) \
+    do {                              \
     } while (0)
 #endif
 
@@ -203,12 +226,13 @@ __device__ __forceinline__ int send_block_count(int phases, int recv_block_div) 
 // phase and resets `*done` to 0 so the next round starts clean.
 // `peer_writes`: the phase stored into peer memory, so the fence must be system-wide; a phase that wrote only
 // this GPU's memory needs a device-scope fence, which is much cheaper.
-__device__ __forceinline__ bool last_block_done(int* done, int* s_flag, bool peer_writes = true) {
+// `n_blocks`: the blocks that take part (default: the grid).
+__device__ __forceinline__ bool last_block_done(int* done, int* s_flag, bool peer_writes = true, int n_blocks = 0) {
     __syncthreads();
     if (threadIdx.x == 0) {
         if (peer_writes) __threadfence_system(); else __threadfence();  // this block's writes before the count
         const int prev = atomicAdd(done, 1);
-        *s_flag = (prev == static_cast<int>(gridDim.x) - 1);
+        *s_flag = (prev == (n_blocks > 0 ? n_blocks : static_cast<int>(gridDim.x)) - 1);
         if (*s_flag) {
             if (peer_writes) __threadfence_system(); else __threadfence();
         }
