@@ -122,14 +122,19 @@ __device__ __forceinline__ void store8f(TC* p, const float (&v)[8]) {
 __device__ __forceinline__ int n_dest_ranks(const EP& ep) { return ep[P_SKIP_A2A] ? 1 : static_cast<int>(ep[P_N_RANKS]); }
 __device__ __forceinline__ int dest_rank(const EP& ep, int d) { return ep[P_SKIP_A2A] ? static_cast<int>(ep[P_RANK]) : d; }
 
-__device__ void phase_notify(const EP& ep, int round) {
-    if (blockIdx.x != 0) return;
-    const int rank = static_cast<int>(ep[P_RANK]);
+// Tell every rank that sends to this one that it may send round `round` (threads 0..senders-1 of one block).
+__device__ __forceinline__ void publish_ready(const EP& ep, int round) {
     if (threadIdx.x < n_dest_ranks(ep)) {
         const int r = dest_rank(ep, threadIdx.x);
-        uint64_t* flag = reinterpret_cast<uint64_t*>(ep.peer(r, ep[P_OFF_COMB_READY])) + rank;
+        uint64_t* flag = reinterpret_cast<uint64_t*>(ep.peer(r, ep[P_OFF_COMB_READY])) + ep[P_RANK];
         store_release_u64(flag, static_cast<uint64_t>(round) + 1);
     }
+}
+
+// Readiness for this round. The last receive block of the previous round already said so (phase_recv); this
+// covers the first round after a reset. Publishing the same value twice is harmless.
+__device__ void phase_notify(const EP& ep, int round) {
+    if (blockIdx.x == 0) publish_ready(ep, round);
 }
 
 // The bf16 partial sums of phase_send through the cp.async ring: a warp's work is a sequence of pieces
@@ -289,7 +294,8 @@ __device__ bool send_items(const EP& ep, const CombineArgs& a, int round, int se
     __shared__ int s_ok;
     const int n_dest = n_dest_ranks(ep);
     const uint64_t* ready = reinterpret_cast<const uint64_t*>(ep.local(ep[P_OFF_COMB_READY])) + dest_rank(ep, 0);
-    if (!block_wait_flags_eq(ready, n_dest, static_cast<uint64_t>(round) + 1, ep, K_COMBINE_SEND, &s_ok))
+    const uint64_t want = static_cast<uint64_t>(round) + 1;
+    if (!block_wait_flags(ready, n_dest, [want](uint64_t v) { return v >= want; }, ep, K_COMBINE_SEND, &s_ok))
         return false;
     CUEP_TRACE(ep, blockIdx.x == 0, 13);
 
@@ -544,10 +550,16 @@ __device__ void phase_recv(const EP& ep, const CombineArgs& a, int* s_flag) {
     // was complete) and the item counter.
     if (!last_block_done(ctr + C_DONE_CRECV, s_flag, /*peer_writes=*/false)) return;
     for (int t = threadIdx.x; t < a.num_tokens; t += blockDim.x) arrived[t] = 0;
+    const int rounds_done = ctr[C_CRECV_ROUND] + 1;
+    __syncthreads();  // every re-arming store before the flags below (release, cumulative over the barrier)
     if (threadIdx.x == 0) {
         ctr[C_DONE_CRECV] = 0;
         ctr[C_CRECV_ITEM] = 0;
+        ctr[C_CRECV_ROUND] = rounds_done;
     }
+    // Every sender may send the next round now: it finds the flag long there when its combine starts, instead of
+    // waiting an NVLink round trip for the next launch's notify (2 us of a 2-GPU decode combine).
+    publish_ready(ep, rounds_done);
     CUEP_TRACE(ep, true, 17);
 }
 

@@ -64,7 +64,8 @@ struct EPParams {
 
 // Private int32 counters (offsets into the counters region).
 enum Counter : int {
-    C_SMALL_TALLY = 0,    // round + 1 once block 0 issued a small round's tally stores (dispatch); 1-7: unused
+    C_SMALL_TALLY = 0,    // round + 1 once block 0 issued a small round's tally stores (dispatch; kKnobTallyWait)
+    C_CRECV_ROUND = 1,    // combine receive rounds completed; 2-7: unused
     C_DISP_ROUND = 8,     // dispatch send rounds completed
     C_RECV_ROUND = 9,     // dispatch receive rounds completed
     C_COMB_ROUND = 10,    // combine send rounds completed
@@ -93,7 +94,7 @@ constexpr int kPhaseRecv = 4;     // wait for it and lay it out
 // Measurement knobs, bits 8 and up of `phases` (CUEP_EP_KNOBS in the environment, read by cuep/ep.py; 0 in use):
 // one build times both sides of a design choice.
 constexpr int kKnobSendersReceive = 1 << 8;  // dispatch, small fused round: the send blocks receive too
-constexpr int kKnobNoTallyWait = 1 << 9;     // dispatch, small round: send blocks do not wait for block 0's tallies
+constexpr int kKnobTallyWait = 1 << 9;       // dispatch, small round: send blocks wait for block 0's tally stores
 
 struct EP {
     const long long* p;
@@ -262,10 +263,6 @@ __device__ __forceinline__ bool block_wait_flags(const uint64_t* flags, int n, D
     }
     __syncthreads();
     return *s_ok != 0;
-}
-__device__ __forceinline__ bool block_wait_flags_eq(const uint64_t* flags, int n, uint64_t want, const EP& ep,
-                                                    int kernel, int* s_ok) {
-    return block_wait_flags(flags, n, [want](uint64_t v) { return v == want; }, ep, kernel, s_ok);
 }
 
 // Same, until flags[i] != kEmpty; the values are left in s_vals[i].
