@@ -131,10 +131,10 @@ __device__ __forceinline__ void publish_ready(const EP& ep, int round) {
     }
 }
 
-// Readiness for this round. The last receive block of the previous round already said so (phase_recv); this
-// covers the first round after a reset. Publishing the same value twice is harmless.
+// Readiness for this round, unless the last receive block of the previous round already said so (phase_recv):
+// the first round after a reset. (Publishing it again cost block 0 a system-scope release before its sends.)
 __device__ void phase_notify(const EP& ep, int round) {
-    if (blockIdx.x == 0) publish_ready(ep, round);
+    if (blockIdx.x == 0 && ep.counters()[C_CRECV_ROUND] < round + (round == 0)) publish_ready(ep, round);
 }
 
 // The bf16 partial sums of phase_send through the cp.async ring: a warp's work is a sequence of pieces

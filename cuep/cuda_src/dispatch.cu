@@ -774,12 +774,13 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
     const int lane = threadIdx.x % kWarp, n_warps = blockDim.x / kWarp;
     // Work items are (message, chunk of the payload): the first chunk also places the metadata and scales,
     // every chunk copies its part of the payload to the token's other local experts' rows.
-    // Bytes of payload per work item: at most 2 KiB even for prefill (measured: whole 14 KiB rows per warp left
-    // the fan-out 30% slower on H100 than 2 KiB chunks), smaller when there are few messages.
-    const long long kFanoutChunk = min(chunk_units(total, pb, kWarp * 16, static_cast<long long>(n_blocks) * n_warps),
-                                       2048LL);
-    using FanoutVectors = WarpVectors<4>;
-    static_assert(FanoutVectors::kBytes == 2048, "a fan-out chunk is loaded into registers at once");
+    // Bytes of payload per work item: at most 2 KiB when messages outnumber the warps (prefill; measured: whole
+    // 14 KiB rows per warp left the fan-out 30% slower on H100 than 2 KiB chunks); otherwise one item per warp
+    // (decode: with 2 KiB chunks a warp placed a second item after its first, 4 us of a 2-GPU N = 128 dispatch).
+    const long long recv_warps = static_cast<long long>(n_blocks) * n_warps;
+    const long long kFanoutChunk = total <= recv_warps ? chunk_units(total, pb, kWarp * 16, recv_warps)
+                                                       : min(chunk_units(total, pb, kWarp * 16, recv_warps), 2048LL);
+    using FanoutVectors = WarpVectors<4>;  // the chunk goes through registers 2 KiB at a time
     const int n_chunks = static_cast<int>((pb + kFanoutChunk - 1) / kFanoutChunk);
     // Items are claimed in order with an atomic (lane 0), so blocks that finish sending early, or receive-only
     // blocks, take whatever is next: the fan-out follows the incoming stream. The order interleaves the sources
@@ -819,16 +820,22 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
         // the payload's source, and the local rows it still has to reach (staged: all of them)
         const char* payload = staged ? meta + ep[P_META_BYTES] : tokens + first_row * pb;
         const unsigned copy_to = staged ? local : local & (local - 1);
-        // this chunk of the payload, loaded once (kFanoutChunk <= FanoutVectors::kBytes) for all of its rows
-        const long long off = static_cast<long long>(ch) * kFanoutChunk;
-        const int n = static_cast<int>(min(static_cast<long long>(kFanoutChunk), pb - off));
-        FanoutVectors chunk;
-        if (copy_to) chunk.load(payload + off, n, lane);
-        if (ch != 0) {  // payload chunk only
-            for (unsigned rest = copy_to; rest; rest &= rest - 1) {
-                const int rk = __shfl_sync(0xffffffffu, row, __ffs(rest) - 1);
-                chunk.store(tokens + rk * pb + off, n, lane);
+        // This chunk of the payload to every row it still has to reach, 2 KiB at a time: loaded once into
+        // registers, stored to each row (a copy per row re-loaded it behind the previous row's stores).
+        auto fan_out = [&]() {
+            const long long off = static_cast<long long>(ch) * kFanoutChunk;
+            const int n = static_cast<int>(min(kFanoutChunk, pb - off));
+            for (int b = 0; copy_to && b < n; b += FanoutVectors::kBytes) {
+                const int nb = min(FanoutVectors::kBytes, n - b);
+                FanoutVectors v;
+                v.load(payload + off + b, nb, lane);
+                for (unsigned rest = copy_to; rest; rest &= rest - 1)
+                    v.store(tokens + __shfl_sync(0xffffffffu, row, __ffs(rest) - 1) * pb + off + b, nb, lane);
             }
+            CUEP_TRACE_LATEST(ep, lane == 0, 25);
+        };
+        if (ch != 0) {  // payload chunk only
+            fan_out();
             continue;
         }
         if (lane < K) a.msg_rows[mi * K + lane] = row;
@@ -864,9 +871,8 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
             if (ep[P_SCALE_BYTES])
                 place_row_scales<FMT>(ep, a, rk, kTiled ? swizzle_row(s_tiles, s_offsets, g, rk) : rk, scales, lane,
                                       kWarp);
-            if ((copy_to >> k) & 1u) chunk.store(tokens + rk * pb, n, lane);
         }
-        CUEP_TRACE_LATEST(ep, lane == 0, 25);
+        fan_out();
     }
 
     CUEP_TRACE(ep, block == n_blocks - 1, 8);
