@@ -569,8 +569,10 @@ template <typename TC>
 __device__ void combine_kernel(const EPParams& params, const CombineArgs& a, int phases) {
     __shared__ int s_flag;
     const EP ep{params.v};
-    if (has_failed(ep)) return;
+    // the error flag and the round in one round trip (as in dispatch_kernel)
+    const int status = *reinterpret_cast<volatile int*>(ep.counters() + C_ERROR);
     const int round = *reinterpret_cast<volatile int*>(ep.counters() + C_COMB_ROUND);
+    if (status == kStatusTimeout) return;
     __syncthreads();
     CUEP_TRACE(ep, blockIdx.x == 0, 12);
     if (phases & kPhaseNotify) phase_notify(ep, round);

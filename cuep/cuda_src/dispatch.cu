@@ -937,11 +937,13 @@ __device__ void dispatch_kernel(const EPParams& params, DispatchArgs a, int phas
     extern __shared__ __align__(16) char smem[];
     __shared__ int s_flag;
     const EP ep{params.v};
-    if (has_failed(ep)) return;
     int* ctr = ep.counters();
-    // Rounds are read once at entry: the last block of a phase advances them only after every block started.
+    // The error flag and the rounds in one round trip (three loads in flight, then has_failed's test). Rounds are
+    // read once at entry: the last block of a phase advances them only after every block started.
+    const int status = *reinterpret_cast<volatile int*>(ctr + C_ERROR);
     const int send_round = *reinterpret_cast<volatile int*>(ctr + C_DISP_ROUND);
     const int recv_round = *reinterpret_cast<volatile int*>(ctr + C_RECV_ROUND);
+    if (status == kStatusTimeout) return;
     __syncthreads();
     CUEP_TRACE(ep, blockIdx.x == 0, 0);
     if (phases & kPhaseNotify) phase_notify(ep, a, send_round, &s_flag, smem);
@@ -951,7 +953,10 @@ __device__ void dispatch_kernel(const EPParams& params, DispatchArgs a, int phas
 #ifndef CUEP_RECV_BLOCK_DIV
 #define CUEP_RECV_BLOCK_DIV 2
 #endif
-    const int send_blocks = send_block_count(phases, CUEP_RECV_BLOCK_DIV);
+    const int small_sixteenths = (phases >> kKnobSmallSendShift) & 31;
+    const int send_blocks = small_sixteenths && (phases & kPhaseRecv) && small_round(ep, a.num_tokens)
+                                ? max(1, static_cast<int>(gridDim.x) * min(small_sixteenths, 16) / 16)
+                                : send_block_count(phases, CUEP_RECV_BLOCK_DIV);
     if (phases & kPhaseSend)
         phase_send<FMT, T>(ep, a, send_round, smem, &s_flag, send_blocks, (phases & kPhaseNotify) != 0, phases);
     // A small round's fused launch: the blocks that sent do not receive; the receive-only blocks place the few

@@ -95,6 +95,8 @@ constexpr int kPhaseRecv = 4;     // wait for it and lay it out
 // one build times both sides of a design choice.
 constexpr int kKnobSendersReceive = 1 << 8;  // dispatch, small fused round: the send blocks receive too
 constexpr int kKnobTallyWait = 1 << 9;       // dispatch, small round: send blocks wait for block 0's tally stores
+// dispatch, small fused round: v = bits 10-14 nonzero: v/16 of the blocks send (16: all, then they receive too)
+constexpr int kKnobSmallSendShift = 10;
 
 struct EP {
     const long long* p;
