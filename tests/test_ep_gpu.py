@@ -15,10 +15,10 @@ from conftest import N_GPUS
 FORMATS = ["bf16", "fp8", "nvfp4", "mxfp4"]
 
 
-def make(devices, **kw):
+def make(devices, num_sms=None, **kw):
     cfg = cuep.EPConfig(**{**dict(hidden=1024, top_k=8, n_experts=32, max_tokens_per_rank=48,
                                   n_gpus_per_node=len(devices)), **kw})
-    return cfg, cuep.Buffer(cuep.init(devices), cfg, timeout_s=5.0)
+    return cfg, cuep.Buffer(cuep.init(devices), cfg, timeout_s=5.0, num_sms=num_sms)
 
 
 def groups():
@@ -62,6 +62,20 @@ def test_shapes_and_skew(devices, hidden, top_k, fmt, rng):
     run_round(buf, cfg, rng, [32] * R, skew=True)  # every rank staged, at the limit
     run_round(buf, cfg, rng, [int(rng.integers(0, 65)) for _ in range(R)], weights_at="combine",
               dtype=np.float32, global_scale=3.0)
+
+
+@pytest.mark.parametrize("devices", groups())
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_few_sms_move_whole_tokens_per_warp(devices, fmt, rng):
+    # 4 blocks: a sending warp stores whole 14 KiB tokens to every destination, 2 KiB through its registers at a
+    # time, and a receiving warp fans out chunks of several 2 KiB passes (the paths a decode or prefill round takes
+    # at scale, which the other tests' small shapes never reach)
+    cfg, buf = make(devices, num_sms=4, hidden=7168, dispatch_format=fmt, max_tokens_per_rank=64,
+                    small_batch_tokens=16)
+    R = len(devices)
+    run_round(buf, cfg, rng, [64] * R)                                   # direct
+    run_round(buf, cfg, rng, [16] * R, weights_at="combine")             # staged
+    run_round(buf, cfg, rng, [int(rng.integers(1, 65)) for _ in range(R)], skew=True)
 
 
 @pytest.mark.parametrize("devices", groups())
