@@ -9,8 +9,8 @@
 
 namespace cuep {
 
-// Indices into the int64 parameter block (EPParams) built by cuep/buffer.py (PARAM_FIELDS there lists the same names in the
-// same order; a CPU test checks the two agree).
+// Indices into the int64 parameter block (EPParams) built by cuep/buffer.py (PARAM_FIELDS there lists the same
+// names in the same order; a CPU test checks the two agree).
 enum Param : int {
     P_RANK,
     P_N_RANKS,
