@@ -29,12 +29,23 @@ from .buffer import Buffer
 from .formats import GLOBAL_SCALE_MAX, GLOBAL_SCALE_MIN
 
 PHASE_NOTIFY, PHASE_SEND, PHASE_RECV = 1, 2, 4
-# Measurement knobs (ep.cuh, kKnob*): bits 8 and up of the dispatch kernel's phase argument, from the environment,
-# so one build times both sides of a design choice (development only; unset in use).
-_KNOBS = int(os.environ.get("CUEP_EP_KNOBS", "0"), 0) & ~0xFF
 MODE_PARTIAL, MODE_WEIGHTED, MODE_UNREDUCED = 0, 1, 2
 _THREADS = 512
 _NULL = np.uint64(0)
+
+
+def _env_knobs() -> int:
+    """Measurement knobs (ep.cuh, kKnob*): bits 8 and up of the dispatch kernel's phase argument, from
+    ``CUEP_EP_KNOBS``, so one build times both sides of a design choice (development only; unset in use)."""
+    raw = os.environ.get("CUEP_EP_KNOBS", "0")
+    try:
+        return int(raw, 0) & ~0xFF
+    except ValueError:
+        raise ValueError(f"CUEP_EP_KNOBS={raw!r} must be an integer such as 0x200 (measurement bits of the EP "
+                         f"kernels, see kKnob* in cuda_src/ep.cuh)") from None
+
+
+_KNOBS = _env_knobs()
 
 
 @dataclass

@@ -99,6 +99,19 @@ def test_header_constants_match_python():
     assert int(common["kAlign"]) == formats.ALIGN
 
 
+def test_phase_and_knob_bits_are_apart():
+    """ep.cuh's phase bits are cuep/ep.py's PHASE_*, and the measurement knobs (kKnob*) live above the low byte,
+    which cuep/ep.py keeps for the phases."""
+    from cuep import ep
+
+    c = _cuh_constants((_kernels.SRC_DIR / "ep.cuh").read_text())
+    value = lambda s: eval(s, {})  # noqa: E731  ("1 << 8" and plain integers)
+    assert (value(c["kPhaseNotify"]), value(c["kPhaseSend"]), value(c["kPhaseRecv"])) == (
+        ep.PHASE_NOTIFY, ep.PHASE_SEND, ep.PHASE_RECV)
+    knobs = {k: value(v) for k, v in c.items() if k.startswith("kKnob")}
+    assert knobs and all(v >= 8 for v in knobs.values()), knobs  # a shift, or a bit of 0x100 and up
+
+
 def test_param_block_matches_header():
     """cuep/buffer.py's PARAM_FIELDS and ep.cuh's enum Param list the same fields in the same order."""
     from cuep.buffer import PARAM_FIELDS
