@@ -8,18 +8,11 @@ times (cuep.bench.timing, warm and cold, median of the slowest GPU per run) of
 Usage: python scripts/fixed_cost.py [--format bf16] [--tokens 1 16 128] [--small-batch-tokens N]
 """
 import argparse
-import statistics
-
 import cupy
 
 import cuep
 from cuep import ep as ep_mod
 from cuep.bench import cases, timing
-
-
-def round_us(t) -> float:
-    runs = t.runs_us[0]
-    return statistics.median(max(runs[d][i] for d in range(len(runs))) for i in range(len(runs[0])))
 
 
 def main():
@@ -44,7 +37,7 @@ def main():
 
     rows = []
     t = timing.measure(run_empty, devs, repeats=a.repeats, series=1)
-    rows.append(("empty kernel (1 block)", round_us(t["warm"]), round_us(t["cold"])))
+    rows.append(("empty kernel (1 block)", t["warm"].round_us, t["cold"].round_us))
     for n in a.tokens:
         inp = cases.make_inputs(devs, n, 7168, 8, 256, n_sets=2)
         case = cases.CuepCase(g, inp, a.format, small_batch_tokens=a.small_batch_tokens)
@@ -54,11 +47,11 @@ def main():
             def no_phase(i):
                 ep_mod._dispatch(case.buf, inp.x[k(i)], inp.ids[k(i)], inp.weights[k(i)], 1.0, 0)
             t = timing.measure(no_phase, devs, repeats=a.repeats, series=1)
-            rows.append(("dispatch kernel, no phase", round_us(t["warm"]), round_us(t["cold"])))
+            rows.append(("dispatch kernel, no phase", t["warm"].round_us, t["cold"].round_us))
         for name, fn, setup in (("dispatch", case.dispatch, None), ("combine", case.combine, case.setup_combine),
                                 ("round trip", case.roundtrip, None)):
             t = timing.measure(fn, devs, repeats=a.repeats, series=1, setup=setup)
-            rows.append((f"{name} N={n}", round_us(t["warm"]), round_us(t["cold"])))
+            rows.append((f"{name} N={n}", t["warm"].round_us, t["cold"].round_us))
         case.buf.check()
         case.close()
     print(f"{len(devs)} GPU(s), {a.format}, small_batch_tokens={a.small_batch_tokens}: round time (us, median)")
