@@ -41,7 +41,7 @@ class EPConfig:
             without first waiting for every rank's histogram, and the receiver places them. Default
             min(max_tokens_per_rank, 128) (0 when n_experts > 1024; on 2 x H200 the staged protocol is faster
             up to N = 128 and slower from N = 256); 0 turns it off. Costs
-            2 x sources x small_batch_tokens x message bytes of symmetric memory per rank.
+            2 x sources x (small_batch_tokens x message bytes + 8 x small_book_len) of symmetric memory per rank.
 
     Raises:
         ValueError: naming the argument and the rule it breaks.
@@ -183,6 +183,15 @@ class EPConfig:
         return 32 + self.n_experts + 32
 
     @property
+    def small_book_len(self) -> int:
+        """uint64 entries of a small round's book row (one per parity and source in each destination): the source's
+        token mask for the destination (ceil(D / 32) words, D = small_batch_tokens), then each choice's expert and
+        position in its (expert, source) block (D x top_k), then each choice's weight (D x top_k). 0 when small
+        rounds are off."""
+        D = self.small_batch_tokens
+        return -(-D // 32) + 2 * D * self.top_k
+
+    @property
     def buffer_regions(self) -> dict[str, tuple[int, int]]:
         """Byte (offset, size) of every region of one rank's symmetric allocation, identical on every rank.
 
@@ -194,8 +203,10 @@ class EPConfig:
         [T]: 16-byte vectors of combine data landed per token this round; the receiver re-arms it).
         ``counters`` (int32) and ``scratch`` (int32 [T, K] slots of each choice in its (expert, source) block,
         [T, 8] message slot per (token, destination), [T] destination ranks of each token) are private to the rank.
-        Peers also write ``stage`` ([2 parities, sources, small_batch_tokens, meta_bytes + payload_bytes]): the
-        messages of small rounds (metadata record, then payload), which the receiver copies to their rows.
+        Peers also write ``stage`` ([2 parities, sources, small_batch_tokens, meta_bytes + payload_bytes]: the
+        messages of small rounds, record t for token t (metadata record, then payload), which the receiver copies
+        to their rows; then uint64 [2 parities, sources, :attr:`small_book_len`]: each source's book row, stamped
+        like the tally).
         There is no send buffer: a token is encoded once, in shared memory, and stored straight into each
         destination over NVLink.
         """
@@ -207,7 +218,7 @@ class EPConfig:
                  ("comb_ready", 8 * self.n_ranks), ("comb_arrived", 4 * T),
                  ("counters", 4 * self.n_counters),
                  ("scratch", 4 * T * (self.top_k + 8 + 1)),
-                 ("stage", 2 * S * self.small_batch_tokens * self.message.nbytes)]
+                 ("stage", 2 * S * (self.small_batch_tokens * self.message.nbytes + 8 * self.small_book_len))]
         out, off = {}, 0
         for name, size in sizes:
             out[name] = (off, size)

@@ -188,20 +188,21 @@ def _dispatch_launch(buf: Buffer, staged: bool) -> tuple[int, int]:
         if warps < 1:
             raise ValueError(f"hidden={cfg.hidden}: one encoded token ({staging} B) does not fit in shared memory "
                              f"next to the tallies ({fixed} B); dispatch bf16 input or a smaller hidden size")
-    recv = tally + 4 * (-(-(cfg.n_groups + 1) // 4) * 4 + cfg.n_groups)
+    # receive phase: tallies, group offsets, scale tiles, and each staged source's message tokens (uint16)
+    recv = tally + 4 * (-(-(cfg.n_groups + 1) // 4) * 4 + cfg.n_groups) + 2 * cfg.n_source_ranks * cfg.small_batch_tokens
     buf._launch_cache[("dispatch", staged)] = out = (32 * warps, max(fixed + warps * staging, recv))
     return out
 
 
 def _small_book_bytes(cfg) -> int:
-    """Shared memory of a small round's bookkeeping in each send block (small_book_bytes in dispatch.cu): per choice
-    its expert and position (uint16), per (token, rank) the message slot (uint16), per token its rank mask, 16
-    token ranges x E counts (uint16), the histogram, 8 message counts. 0 when small rounds are off."""
+    """Shared memory of a small round's bookkeeping (small_book_bytes in dispatch.cu; block 0 computes it in notify):
+    per choice its expert and position (uint16), per rank a token mask (ceil(D / 32) words), per token its rank
+    mask, 16 token ranges x E counts (uint16), the histogram, 8 message counts. 0 when small rounds are off."""
     D, K, E = cfg.small_batch_tokens, cfg.top_k, cfg.n_experts
     if not D:
         return 0
     a16 = lambda n: -(-n // 16) * 16  # noqa: E731
-    return 2 * a16(2 * D * K) + a16(2 * D * 8) + a16(4 * D) + a16(2 * 16 * E) + a16(4 * E) + 4 * 8
+    return 2 * a16(2 * D * K) + a16(4 * 8 * (-(-D // 32))) + a16(4 * D) + a16(2 * 16 * E) + a16(4 * E) + 4 * 8
 
 
 def _blocks(buf: Buffer, threads: int) -> int:

@@ -3,7 +3,8 @@ times (cuep.bench.timing, warm and cold, median of the slowest GPU per run) of
 
 * an empty kernel of one block (the launch and event floor),
 * the dispatch kernel with no phase (launch of the full grid, entry, exit),
-* dispatch, combine and both at N = 1, 16 and 128 (H = 7168, K = 8, E = 256, bf16 unless --format).
+* dispatch, combine and both at N = 1, 16 and 128 (H = 7168, K = 8, E = 256, bf16 unless --format),
+* the dispatch's send half alone and its receive half alone (every message landed before it starts).
 
 Usage: python scripts/fixed_cost.py [--format bf16] [--tokens 1 16 128] [--small-batch-tokens N]
 """
@@ -52,6 +53,25 @@ def main():
                                 ("round trip", case.roundtrip, None)):
             t = timing.measure(fn, devs, repeats=a.repeats, series=1, setup=setup)
             rows.append((f"{name} N={n}", t["warm"].round_us, t["cold"].round_us))
+        # the halves on their own: the send half (its receive half runs untimed before the next one), and the
+        # receive half with every message already landed (its send half ran untimed, synchronised)
+        pending = []
+
+        def send_half(i):
+            pending.append(cuep.dispatch_async(case.buf, inp.x[k(i)], inp.ids[k(i)], inp.weights[k(i)]))
+
+        def finish(i):
+            while pending:
+                cuep.dispatch_wait(pending.pop())
+
+        def recv_half(i):
+            cuep.dispatch_wait(pending.pop())
+
+        t = timing.measure(send_half, devs, repeats=a.repeats, series=1, setup=finish)
+        finish(0)
+        rows.append((f"dispatch send half N={n}", t["warm"].round_us, t["cold"].round_us))
+        t = timing.measure(recv_half, devs, repeats=a.repeats, series=1, setup=send_half)
+        rows.append((f"dispatch receive half N={n}", t["warm"].round_us, t["cold"].round_us))
         case.buf.check()
         case.close()
     print(f"{len(devs)} GPU(s), {a.format}, small_batch_tokens={a.small_batch_tokens}: round time (us, median)")

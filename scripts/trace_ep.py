@@ -16,8 +16,8 @@ from cuep.bench import cases, timing
 POINTS = {
     0: "dispatch entry (block 0)", 1: "notify: block 0's tokens done (small: book)",
     2: "notify: last block published (small: block 0)",
-    3: "send: histograms acquired (block 0) (small: ready)", 4: "send: layout done (block 0) (small: book)",
-    5: "send: block 0's items done",
+    3: "send: histograms acquired (first send block) (small: ready)",
+    4: "send: layout done (first send block) (small: = 3)", 5: "send: first send block's items done",
     6: "send: last block done", 7: "recv: layout done (last block)", 8: "recv: last block's items done",
     9: "recv: padding done (last block)", 10: "recv: last block re-armed, round over",
     22: "small notify: destinations ready (after the book)", 18: "small book: ids loaded", 19: "small book: ranks",

@@ -149,3 +149,45 @@ cuep_bench_a2a_copy(const uint64_t* srcs, const uint64_t* dsts, int n_pairs, int
     }
     if (mode == 2 && lane == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
+
+// cuep_bench_burst: the floor of a decode send half. `bytes` from src (this GPU) to dst (a peer) in items of
+// `chunk` bytes, one warp each (items spread over the blocks first, as the dispatch does); span[0] / span[1] get
+// the earliest entry and the latest item end (globaltimer ns: atomicMin / atomicMax; the host resets them).
+//   mode 0: each lane loads 16-byte vectors of its item, then stores them (no ordering)
+//   mode 1: as 0, then lane 0 issues a system-scope fence and adds 1 to tags[item] at the peer (the dispatch's
+//           ready tag: what a receiver polls)
+//   mode 2: as 1 without the loads (a constant pattern): the store, fence and tag path alone
+// bytes and chunk are multiples of 16, chunk <= 2048.
+extern "C" __global__ void __launch_bounds__(512)
+cuep_bench_burst(const uint4* src, uint4* dst, int64_t bytes, int chunk, int mode, uint32_t* tags,
+                 unsigned long long* span) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    if (threadIdx.x == 0) atomicMin(span, static_cast<unsigned long long>(global_timer_ns()));
+    const int64_t items = (bytes + chunk - 1) / chunk;
+    for (int64_t it = int64_t(warp) * gridDim.x + blockIdx.x; it < items; it += int64_t(gridDim.x) * (blockDim.x / 32)) {
+        const int64_t off = it * chunk;
+        const int nv = static_cast<int>((bytes - off < chunk ? bytes - off : chunk) / 16);
+        const uint4* s = src + off / 16;
+        uint4* d = dst + off / 16;
+        uint4 r[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const int v = u * 32 + lane;
+            if (v < nv) r[u] = mode == 2 ? make_uint4(v, u, 3, 5) : s[v];
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const int v = u * 32 + lane;
+            if (v < nv) d[v] = r[u];
+        }
+        if (mode >= 1) {
+            __syncwarp();
+            if (lane == 0) {
+                asm volatile("fence.acq_rel.sys;" ::: "memory");
+                asm volatile("red.relaxed.sys.global.add.u32 [%0], 1;" ::"l"(tags + it) : "memory");
+            }
+        }
+    }
+    __syncwarp();
+    if (lane == 0) atomicMax(span + 1, static_cast<unsigned long long>(global_timer_ns()));
+}

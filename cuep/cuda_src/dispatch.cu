@@ -15,8 +15,9 @@
 //           as its ready tag lands (metadata, scales, copies to the token's other local experts) and zero the
 //           padding; the copies overlap the incoming stream
 // A small round (decode: at most small_batch_tokens tokens on this rank) skips notify's atomics and grid barrier and
-// the wait for every rank's histogram: every send block computes the bookkeeping itself, the tokens go to a staging
-// area at each destination, and the receiver copies them to their rows (see "small rounds" below).
+// the wait for every rank's histogram: the send warps store each token at once to its own slot of a staging area at
+// each destination, block 0 computes the bookkeeping meanwhile and publishes it, and the receiver copies each
+// token to its rows (see "small rounds" below).
 #include "ep.cuh"
 #include "formats.cuh"
 
@@ -136,7 +137,7 @@ __device__ void publish_tallies(const EP& ep, int round, const int* hist, int nu
 
 // Wait (bounded) for every source's tally row of this round and copy the values into shared memory. All threads
 // of the block; false (after recording whom it waited for) on timeout or once the rank has failed.
-__device__ bool load_tallies(const EP& ep, int round, int* s_tally, int kernel, int* s_ok) {
+__device__ bool load_tallies(const EP& ep, int round, int* s_tally, int kernel, int* s_ok, unsigned sleep_ns = 64) {
     const int E1 = tally_len(ep), n_src = static_cast<int>(ep[P_N_SRC]);
     const uint64_t* tally = tally_row(ep, static_cast<int>(ep[P_RANK]), round & 1, 0);
     const uint32_t stamp = static_cast<uint32_t>(round) + 1;
@@ -152,7 +153,7 @@ __device__ bool load_tallies(const EP& ep, int round, int* s_tally, int kernel, 
                 *s_ok = 0;
                 break;
             }
-            __nanosleep(64);
+            __nanosleep(sleep_ns);
         }
         if (!*reinterpret_cast<volatile int*>(s_ok)) break;
         s_tally[i] = static_cast<int>(static_cast<uint32_t>(v));
@@ -211,8 +212,7 @@ __device__ __forceinline__ int rows_before(const EP& ep, const int* s_tally, int
 // Called by all threads of the block; `store(t, r, slot)` for every message; n_msgs[r] (every thread): the
 // messages to rank r. Each warp takes a contiguous range of kBatch x 32 tokens per pass (lane = token; coalesced
 // loads, all issued at once): per-rank counts by ballot, a prefix over the warps, then the slots. (One thread per
-// contiguous range, loading its tokens one by one, took 15 us at N = 4096.) kBatch 8 for a large round, 1 for a
-// small one (a whole small round in one pass over all warps).
+// contiguous range, loading its tokens one by one, took 15 us at N = 4096.) kBatch: tokens per lane and pass.
 template <int kBatch, class Store>
 __device__ void assign_message_slots(const int* masks, int n_tokens, int R, int (&n_msgs)[8], Store store) {
     __shared__ int s_counts[32 * 8];
@@ -257,14 +257,17 @@ __device__ void assign_message_slots(const int* masks, int n_tokens, int R, int 
 }
 
 // ---- small rounds (decode): the staged protocol ----------------------------------------------------------------
-// A round in which this rank sends at most P_SMALL_TOKENS tokens does not wait for every rank's histogram before
-// its data moves. Every send block computes the round's bookkeeping itself, in shared memory and in token order
-// (so every block gets the same answer without atomics or a grid barrier): each choice's position in its
-// (expert, this source) block, each message's slot, the histogram. Messages go to a staging area at the
-// destination (records of meta | payload, two parities), and the receiver, which knows the layout from the
-// histograms, copies each payload to its rows. Block 0 publishes the histogram while the data moves. The only
+// A round in which this rank sends at most P_SMALL_TOKENS tokens does not wait for any bookkeeping before its data
+// moves. Token t goes to record t of this source's staging area at each destination it has a valid choice on
+// (records of meta | payload, two parities): each send warp finds its token's destinations from its own top-k row.
+// Meanwhile block 0 (notify) computes the round's bookkeeping in shared memory, in token order: the histogram,
+// each destination's token mask and each choice's position in its (expert, this source) block, and publishes them
+// (the tally row and a book row per destination, stamped entries). The receiver lays its rows out from the
+// histograms, lists each source's messages from the token masks (message i of source s: its i-th token that comes
+// here, as a large round's message slots), and copies each payload to its rows (block start + position). The only
 // wait before sending is that every destination has finished the round before last (whose staging parity this
-// round reuses): the destination's histogram of the previous round, normally long there.
+// round reuses): the destination's histogram of the previous round, normally long there. (Until the sixth
+// session every send block computed the whole book itself before its first store: 7 us of a 2-GPU decode.)
 __device__ __forceinline__ bool small_round(const EP& ep, int num_tokens) {
     return ep[P_SMALL_TOKENS] > 0 && num_tokens <= ep[P_SMALL_TOKENS];
 }
@@ -272,15 +275,52 @@ __device__ __forceinline__ bool small_round(const EP& ep, int num_tokens) {
 __device__ __forceinline__ bool staged_source(const EP& ep, const int* s_tally, int s) {
     return ep[P_SMALL_TOKENS] > 0 && s_tally[s * tally_len(ep) + ep[P_N_EXPERTS]] <= ep[P_SMALL_TOKENS];
 }
-// The metadata record of message i of source s in rank `rank`'s buffer (its first int is the token, its second the
-// ready tag). Staged (a small round): record i of the staging area at parity par, metadata then payload. Direct:
-// the meta region (the payload went to the row of the token's first local expert).
+// The metadata record of message slot i of source s in rank `rank`'s buffer (its first int is the token, its second
+// the ready tag). Staged (a small round): record i (the token index) of the staging area at parity par, metadata
+// then payload. Direct: the meta region (i: the message slot; the payload went to the row of the token's first
+// local expert).
 __device__ __forceinline__ char* message_meta(const EP& ep, int rank, bool staged, int par, int s, int i) {
     if (staged) {
         const long long rec = ep[P_META_BYTES] + ep[P_PAYLOAD_BYTES];
         return ep.peer(rank, ep[P_OFF_STAGE]) + ((par * ep[P_N_SRC] + s) * ep[P_SMALL_TOKENS] + i) * rec;
     }
     return ep.peer(rank, ep[P_OFF_META]) + (s * ep[P_MAX_TOKENS] + i) * ep[P_META_BYTES];
+}
+
+// A small round's book row, one per (parity, source) in each destination, after the staging records (the stage
+// region; cuep/config.py sizes it), entries stamped like the tally's:
+//   [ceil(S / 32)]  the source's token mask for this destination (word w, bit b: token 32 w + b comes here),
+//   [S * K]         choice c of the source's [N, K] table: its expert (kNoExpert if not valid) | its position in
+//                   the (expert, source) block << 16,
+//   [S * K]         choice c's router weight (float bits),
+// S = small_tokens. The receiver has a message's whole metadata before its payload lands.
+__device__ __forceinline__ int book_mask_words(const EP& ep) { return static_cast<int>((ep[P_SMALL_TOKENS] + 31) / 32); }
+__device__ __forceinline__ int book_len(const EP& ep) {
+    return book_mask_words(ep) + static_cast<int>(2 * ep[P_SMALL_TOKENS] * ep[P_TOP_K]);
+}
+__device__ __forceinline__ uint64_t* book_row(const EP& ep, int rank, int par, int s) {
+    const long long rec = ep[P_META_BYTES] + ep[P_PAYLOAD_BYTES];
+    char* books = ep.peer(rank, ep[P_OFF_STAGE]) + 2 * ep[P_N_SRC] * ep[P_SMALL_TOKENS] * rec;
+    return reinterpret_cast<uint64_t*>(books) + (par * ep[P_N_SRC] + s) * book_len(ep);
+}
+
+// Spin (this thread, acquire, bounded) until the stamped entry *p carries `stamp`; its value in `value`. False
+// (after recording whom it waited for) on timeout or once the rank has failed.
+__device__ __forceinline__ bool wait_stamped(const EP& ep, const uint64_t* p, uint32_t stamp, int kernel, int src,
+                                             uint32_t& value, unsigned sleep_ns = 32) {
+    uint64_t v;
+    uint64_t t0 = 0;
+    while (static_cast<uint32_t>((v = load_acquire_u64(p)) >> 32) != stamp) {
+        if (has_failed(ep)) return false;
+        if (t0 == 0) t0 = global_timer_ns();
+        else if (global_timer_ns() - t0 > static_cast<uint64_t>(ep[P_TIMEOUT_NS])) {
+            report_error(ep, kStatusTimeout, kernel, -1, src);
+            return false;
+        }
+        __nanosleep(sleep_ns);
+    }
+    value = static_cast<uint32_t>(v);
+    return true;
 }
 
 constexpr int kSmallRanges = 16;     // token ranges of the in-order position count
@@ -290,7 +330,7 @@ constexpr uint16_t kNoExpert = 0xFFFF;
 struct SmallBook {
     uint16_t* expert;  // [N*K] the choice's expert if valid, else kNoExpert
     uint16_t* pos;     // [N*K] its position in the (expert, this source) block at the destination (token order)
-    uint16_t* slot;    // [N*8] message slot of (token, destination rank) (token order)
+    unsigned* words;   // [8 * ceil(D / 32)] each destination rank's token mask (bit t % 32 of word t / 32)
     int* mask;         // [N] the token's destination ranks
     uint16_t* count;   // [kSmallRanges * E] per-range expert counts, then each range's start
     int* hist;         // [E] tokens to each expert
@@ -303,7 +343,7 @@ __device__ __forceinline__ SmallBook small_book(const EP& ep, char* smem) {
     char* p = smem;
     b.expert = reinterpret_cast<uint16_t*>(p); p += align_up(2 * D * K);
     b.pos = reinterpret_cast<uint16_t*>(p); p += align_up(2 * D * K);
-    b.slot = reinterpret_cast<uint16_t*>(p); p += align_up(2 * D * kMaxRanks);
+    b.words = reinterpret_cast<unsigned*>(p); p += align_up(4 * kMaxRanks * ((D + 31) / 32));
     b.mask = reinterpret_cast<int*>(p); p += align_up(4 * D);
     b.count = reinterpret_cast<uint16_t*>(p); p += align_up(2 * kSmallRanges * E);
     b.hist = reinterpret_cast<int*>(p); p += align_up(4 * E);
@@ -312,7 +352,7 @@ __device__ __forceinline__ SmallBook small_book(const EP& ep, char* smem) {
 }
 __device__ __forceinline__ long long small_book_bytes(const EP& ep) {
     const long long D = ep[P_SMALL_TOKENS], K = ep[P_TOP_K], E = ep[P_N_EXPERTS];
-    return 2 * align_up(2 * D * K) + align_up(2 * D * kMaxRanks) + align_up(4 * D) +
+    return 2 * align_up(2 * D * K) + align_up(4 * kMaxRanks * ((D + 31) / 32)) + align_up(4 * D) +
            align_up(2 * kSmallRanges * E) + align_up(4 * E) + 4 * kMaxRanks;
 }
 
@@ -386,18 +426,44 @@ __device__ void small_bookkeeping(const EP& ep, const DispatchArgs& a, const Sma
         if (e != kNoExpert) b.pos[c] += b.count[(c / K / per) * E + e];
     }
     CUEP_TRACE(ep, report, 21);
-    // 4. Message slots in token order.
-    int n_msgs[8];
-    assign_message_slots<1>(b.mask, N, R, n_msgs, [&b](int t, int r, int v) {
-        b.slot[t * kMaxRanks + r] = static_cast<uint16_t>(v);
-    });
+    // 4. Each destination's token mask (a warp per 32 tokens, a ballot per rank), then its message count.
+    const int n_words = (N + kWarp - 1) / kWarp, stride = static_cast<int>((ep[P_SMALL_TOKENS] + 31) / 32);
+    for (int w = warp; w < n_words; w += n_warps) {
+        const int t = w * kWarp + lane;
+        const unsigned m = t < N ? static_cast<unsigned>(b.mask[t]) : 0u;
+        for (int r = 0; r < R; ++r) {
+            const unsigned word = __ballot_sync(0xffffffffu, (m >> r) & 1u);
+            if (lane == 0) b.words[r * stride + w] = word;
+        }
+    }
+    __syncthreads();
     if (threadIdx.x < kMaxRanks) {
         int m = 0;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) m = i == static_cast<int>(threadIdx.x) ? n_msgs[i] : m;
+        for (int w = 0; static_cast<int>(threadIdx.x) < R && w < n_words; ++w)
+            m += __popc(b.words[threadIdx.x * stride + w]);
         b.n_msgs[threadIdx.x] = m;
     }
     __syncthreads();
+}
+
+// Publish the book rows of a small round to every destination (all threads of the block; after the tallies).
+__device__ void publish_small_book(const EP& ep, const DispatchArgs& a, int round, const SmallBook& b) {
+    const int K = static_cast<int>(ep[P_TOP_K]), me = static_cast<int>(ep[P_SRC_INDEX]);
+    const int n_dest = ep[P_SKIP_A2A] ? 1 : static_cast<int>(ep[P_N_RANKS]);
+    const int stride = book_mask_words(ep), n_words = (a.num_tokens + 31) / 32, NK = a.num_tokens * K;
+    const long long SK = ep[P_SMALL_TOKENS] * K;
+    for (int d = 0; d < n_dest; ++d) {
+        const int r = ep[P_SKIP_A2A] ? static_cast<int>(ep[P_RANK]) : d;
+        uint64_t* row = book_row(ep, r, round & 1, me);
+        for (int i = threadIdx.x; i < n_words; i += blockDim.x)
+            store_relaxed_u64(row + i, tally_entry(round, static_cast<int>(b.words[r * stride + i])));
+        for (int c = threadIdx.x; c < NK; c += blockDim.x) {
+            const unsigned e = b.expert[c], pos = e != kNoExpert ? b.pos[c] : 0u;
+            const float w = a.topk_weights ? a.topk_weights[c] : 0.f;
+            store_relaxed_u64(row + stride + c, tally_entry(round, static_cast<int>(e | pos << 16)));
+            store_relaxed_u64(row + stride + SK + c, tally_entry(round, __float_as_int(w)));
+        }
+    }
 }
 
 // A small round may write into a destination once it has finished the round before last (whose staging parity
@@ -430,8 +496,8 @@ __device__ void phase_notify(const EP& ep, const DispatchArgs& a, int round, int
     int* masks = scratch_rank_masks(ep);
     if (small_round(ep, a.num_tokens)) {
         // Small round: no atomics and no grid barrier. Block 0 computes the book (reporting bad choices) and
-        // publishes the tally before it sends anything (a system fence behind its own data took 20 us); every
-        // send block computes the same book for itself and sends at once.
+        // publishes the tally and the book rows; in a fused launch it sends nothing (the other send blocks store
+        // the tokens meanwhile, needing no book).
         if (blockIdx.x != 0) return;
         __shared__ int s_ok;
         const SmallBook book = small_book(ep, smem);
@@ -443,6 +509,7 @@ __device__ void phase_notify(const EP& ep, const DispatchArgs& a, int round, int
 #pragma unroll
         for (int i = 0; i < 8; ++i) n_msgs[i] = book.n_msgs[i];
         publish_tallies(ep, round, book.hist, a.num_tokens, n_msgs);
+        publish_small_book(ep, a, round, book);
         // (with knob kKnobTallyWait the send blocks start only once these tally stores are issued)
         __syncthreads();
         if (threadIdx.x == 0) store_release_gpu_i32(ep.counters() + C_SMALL_TALLY, round + 1);
@@ -510,11 +577,14 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
     __shared__ int s_ok;
     __shared__ int s_scan[32];
 
-    // Blocks past `send_blocks` only receive (fused launch): they go straight to the end-of-phase barrier.
-    if (static_cast<int>(blockIdx.x) >= send_blocks) goto done;
-    {
-    // shared memory: (tallies | per-expert bases) or a small round's book | one encoded token per warp
+    // Blocks past `send_blocks` only receive (fused launch): they go straight to the end-of-phase barrier. In a
+    // small round block 0 computed the book in this launch's notify phase (book_ready): the other blocks send.
     const bool small = small_round(ep, a.num_tokens);
+    const int first_sender = small && book_ready && send_blocks > 1 ? 1 : 0;
+    const int n_senders = send_blocks - first_sender;
+    if (static_cast<int>(blockIdx.x) >= send_blocks || static_cast<int>(blockIdx.x) < first_sender) goto done;
+    {
+    // shared memory: (tallies | per-expert bases) or a small round's book (notify) | one encoded token per warp
     const long long tally_bytes = align_up(4LL * n_src * tally_len(ep));
     const long long fixed = max(tally_bytes + align_up(4LL * E), ep[P_SMALL_TOKENS] > 0 ? small_book_bytes(ep) : 0LL);
     int* s_tally = reinterpret_cast<int*>(smem);
@@ -524,16 +594,13 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
     const long long staging = align_up(pb) + align_up(sb);
     uint8_t* s_payload = reinterpret_cast<uint8_t*>(smem + fixed) + warp * staging;
     uint8_t* s_scales = s_payload + align_up(pb);
-    SmallBook book{};
     if (small) {
-        // 1s. The book (block 0 made it in notify, in the same launch, when the launch has that phase), then
-        // every destination is ready (small_round_ready). The send blocks do not wait for block 0's tally stores
+        // 1s. Every destination is ready (small_round_ready). No book: a token's record is its index, and each
+        // warp finds its token's destinations itself. The send blocks do not wait for block 0's tally stores
         // (2 x H200, N = 128: 33.7 us against 34.8 with the wait; knob kKnobTallyWait restores it): the receiver
-        // waits for both the tallies and each message's tag anyway.
-        book = small_book(ep, smem);
-        if (!(blockIdx.x == 0 && book_ready)) small_bookkeeping(ep, a, book, /*report=*/false);
+        // waits for the tallies, the book rows and each message's tag anyway.
         if (!small_round_ready(ep, round, &s_ok)) return;
-        CUEP_TRACE(ep, blockIdx.x == 0, 3);
+        CUEP_TRACE(ep, static_cast<int>(blockIdx.x) == first_sender, 3);
         if (warp == 0 && (knobs & kKnobTallyWait) &&
             !warp_wait_until(ctr + C_SMALL_TALLY, [round](int v) { return v >= round + 1; }, ep, K_DISPATCH_SEND,
                              -1, lane))
@@ -553,7 +620,7 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
         }
     }
 
-    CUEP_TRACE(ep, blockIdx.x == 0, 4);
+    CUEP_TRACE(ep, static_cast<int>(blockIdx.x) == first_sender, 4);
     CUEP_TRACE_LATEST(ep, threadIdx.x == 0, 28);
     // 2. Items (token, chunk of whole 256-value spans), one warp each; lane k holds top-k choice k. A prefill batch
     // keeps one chunk (one warp) per token; a decode batch spreads each token over several warps (one warp
@@ -561,19 +628,21 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
     // into the message's ready tag (message_tag_*), so the receiver knows when all of a message has landed.
     const int* pos = scratch_pos(ep);
     const int* slots = scratch_slot(ep);
-    // The message slot of (token t, destination d): from the small round's book, else from notify's scratch.
+    // The message slot of (token t, destination d): a small round's staging record is the token's index, a large
+    // round's slot comes from notify's scratch.
     auto message_slot = [&](int t, int d) -> int {
-        return small ? book.slot[t * kMaxRanks + d] : slots[static_cast<long long>(t) * kMaxRanks + d];
+        return small ? t : slots[static_cast<long long>(t) * kMaxRanks + d];
     };
     const int n_spans = (H + kWarpSpan - 1) / kWarpSpan;
     const int spans_per_chunk = static_cast<int>(max(
-        chunk_units(a.num_tokens, n_spans, 1, static_cast<long long>(send_blocks) * n_warps),
+        chunk_units(a.num_tokens, n_spans, 1, static_cast<long long>(n_senders) * n_warps),
         static_cast<long long>((n_spans + kMaxChunks - 1) / kMaxChunks)));
     const int n_chunks = (n_spans + spans_per_chunk - 1) / spans_per_chunk;
     using S = typename FormatTraits<FMT>::Scale;
     using SendVectors = WarpVectors<4>;
     // Consecutive items go to different blocks (SMs) first, so a small batch still spreads over the GPU.
-    for (int item = warp * send_blocks + blockIdx.x; item < a.num_tokens * n_chunks; item += send_blocks * n_warps) {
+    for (int item = warp * n_senders + blockIdx.x - first_sender; item < a.num_tokens * n_chunks;
+         item += n_senders * n_warps) {
         const int t = item / n_chunks, ch = item % n_chunks;
         const int c_lo = ch * spans_per_chunk * kWarpSpan, c_hi = min(H, c_lo + spans_per_chunk * kWarpSpan);
         const bool last = ch == n_chunks - 1;
@@ -582,28 +651,34 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
         const int s_lo = FMT == kFmtBf16 ? 0 : int(sizeof(S)) * (c_lo / max(1, FormatTraits<FMT>::kBlock));
         const int s_hi = FMT == kFmtBf16 ? 0 : (last ? static_cast<int>(align_up(sb)) :
                                                 int(sizeof(S)) * (c_hi / max(1, FormatTraits<FMT>::kBlock)));
+        const T* x_row = static_cast<const T*>(a.x) + static_cast<long long>(t) * H;
+        // bf16 input goes out as it is: the chunk's first 2 KiB are loaded before the top-k row, so the two loads
+        // (both cold in a decode round) are in flight together instead of one after the other
+        constexpr bool kDirectPayload = FMT == kFmtBf16 && sizeof(T) == 2;
+        SendVectors first_pass;
+        if constexpr (kDirectPayload)
+            first_pass.load(reinterpret_cast<const uint8_t*>(x_row) + p_lo,
+                            static_cast<int>(min(static_cast<long long>(SendVectors::kBytes), p_hi - p_lo)), lane);
         const int* ids = a.topk_ids + static_cast<long long>(t) * K;
         int e = -1, r = -1, row = -1;
         float w = 0.f;
         if (lane < K) {
             e = ids[lane];
-            if (small) {  // row: the position in the (expert, me) block; the receiver adds the block's start
-                const int ev = book.expert[t * K + lane];
-                if (ev != kNoExpert) {
-                    r = ev / L;
-                    row = book.pos[t * K + lane];
+            if (small) {  // a choice on the destination (the book row tells the receiver its expert and position)
+                if (valid_choice(ep, ids, lane)) {
+                    r = e / L;
+                    row = 0;
                 }
             } else if (valid_choice(ep, ids, lane)) {
                 r = e / L;
                 row = s_base[e] + pos[static_cast<long long>(t) * K + lane];
             }
-            if (a.topk_weights) w = a.topk_weights[static_cast<long long>(t) * K + lane];
+            if (a.topk_weights && !small) w = a.topk_weights[static_cast<long long>(t) * K + lane];
         }
         // Encode the chunk once: quantized formats (and bf16 from float32) into this warp's staging, at the
         // offsets of the whole row; bf16 goes straight from x.
-        const T* x_row = static_cast<const T*>(a.x) + static_cast<long long>(t) * H;
         const uint8_t* payload;
-        if constexpr (FMT == kFmtBf16 && sizeof(T) == 2) {
+        if constexpr (kDirectPayload) {
             payload = reinterpret_cast<const uint8_t*>(x_row);
         } else {
             // Four spans per step while they last (4 loads in flight per lane: one span at a time left the
@@ -644,7 +719,7 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
             char* dst = small ? meta + ep[P_META_BYTES] : ep.peer(d, ep[P_OFF_TOKENS]) + first_row * pb;
             if (lane == n_dst) lane_dst = reinterpret_cast<unsigned long long>(dst);
             ++n_dst;
-            if (ch == 0) {
+            if (ch == 0 && !small) {  // a staged record's token, experts and weights are in the book row
                 if (lane == 0) *reinterpret_cast<int*>(meta) = t;
                 if (lane < K) {
                     reinterpret_cast<uint16_t*>(meta + ep[P_META_IDS])[lane] = static_cast<uint16_t>(e);
@@ -664,7 +739,8 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
         for (long long b = p_lo; b < p_hi; b += SendVectors::kBytes) {
             const int n = static_cast<int>(min(static_cast<long long>(SendVectors::kBytes), p_hi - b));
             SendVectors v;
-            v.load(payload + b, n, lane);
+            if (kDirectPayload && b == p_lo) v = first_pass;
+            else v.load(payload + b, n, lane);
             for (int j = 0; j < n_dst; ++j)
                 v.store(reinterpret_cast<char*>(__shfl_sync(0xffffffffu, lane_dst, j)) + b, n, lane);
         }
@@ -695,7 +771,7 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
         __syncwarp();  // the staging is reused by the warp's next item
     }
 
-    CUEP_TRACE(ep, blockIdx.x == 0, 5);
+    CUEP_TRACE(ep, static_cast<int>(blockIdx.x) == first_sender, 5);
     CUEP_TRACE_LATEST(ep, lane == 0, 23);
     }
 done:
@@ -710,7 +786,8 @@ done:
 
 // recv: wait for every source, then lay the round out. Blocks [first_block, grid) take part (see dispatch_kernel).
 template <int FMT>
-__device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char* smem, int* s_flag, int first_block) {
+__device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char* smem, int* s_flag, int first_block,
+                           int knobs) {
     const int block = static_cast<int>(blockIdx.x) - first_block, n_blocks = static_cast<int>(gridDim.x) - first_block;
     const int E = static_cast<int>(ep[P_N_EXPERTS]), K = static_cast<int>(ep[P_TOP_K]);
     const int L = static_cast<int>(ep[P_N_LOCAL]), rank = static_cast<int>(ep[P_RANK]);
@@ -730,7 +807,10 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
     int* s_tally = reinterpret_cast<int*>(smem);
     unsigned* s_offsets = reinterpret_cast<unsigned*>(s_tally + n_src * E1);
     unsigned* s_tiles = s_offsets + align_up(G + 1, 4);
-    if (!load_tallies(ep, round, s_tally, K_DISPATCH_RECV, &s_ok)) return;
+    uint16_t* s_msg_tok = reinterpret_cast<uint16_t*>(s_tiles + G);  // [n_src, small_tokens] (staged sources)
+    const int S = static_cast<int>(ep[P_SMALL_TOKENS]);
+    const unsigned sleep_ns = poll_sleep_ns(knobs, 32);
+    if (!load_tallies(ep, round, s_tally, K_DISPATCH_RECV, &s_ok, 2 * sleep_ns)) return;
     if (threadIdx.x == 0) {
         s_offsets[0] = 0;
         if (sh) s_offsets[1] = shared_rows(ep, s_tally, rank);
@@ -741,7 +821,34 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
             s_msg_most = max(s_msg_most, s_msg_count[s]);
         }
     }
+    // A staged source's messages: its tokens that come here, in token order (message i of source s is token
+    // s_msg_tok[s * S + i]), from the token mask of its book row. A warp per source, 32 mask words per pass.
+    {
+        const int lane = threadIdx.x % kWarp, n_warps = blockDim.x / kWarp;
+        const uint32_t stamp = static_cast<uint32_t>(round) + 1;
+        for (int s = threadIdx.x / kWarp; s < n_src; s += n_warps) {
+            if (!staged_source(ep, s_tally, s)) continue;
+            const uint64_t* row = book_row(ep, rank, par, s);
+            const int n_words = (s_tally[s * E1 + E] + 31) / 32;
+            int carry = 0;
+            for (int w0 = 0; w0 < n_words; w0 += kWarp) {
+                const int w = w0 + lane;
+                uint32_t word = 0;
+                if (w < n_words && !wait_stamped(ep, row + w, stamp, K_DISPATCH_RECV, s, word, sleep_ns)) s_ok = 0;
+                const int n = __popc(word);
+                int incl = n;
+                for (int o = 1; o < kWarp; o <<= 1) {
+                    const int v = __shfl_up_sync(0xffffffffu, incl, o);
+                    if (lane >= o) incl += v;
+                }
+                for (int i = carry + incl - n; word; word &= word - 1, ++i)
+                    s_msg_tok[s * S + i] = static_cast<uint16_t>(32 * w + __ffs(word) - 1);
+                carry += __shfl_sync(0xffffffffu, incl, kWarp - 1);
+            }
+        }
+    }
     __syncthreads();
+    if (!s_ok) return;
     scan_rank_groups(ep, s_tally, rank, s_scan, [&](int, int l, int start, int size) {
         s_offsets[sh + l] = start;
         if (l == L - 1) s_offsets[sh + L] = start + size;
@@ -792,28 +899,50 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
          item = __shfl_sync(0xffffffffu, lane == 0 ? atomicAdd(next_item, 1) : 0, 0)) {
         int s, i, ch;
         if (!order.at(item, s, i, ch)) continue;
-        // a small round's message sits in the staging area; a large round's metadata in the meta region and its
-        // payload already in the row of the token's first local expert
+        // A small round's message sits in the staging area (record t for token t) and its metadata in the source's
+        // book row, which lands before the data: the rows and the bookkeeping outputs are done before the payload's
+        // tag is waited for, so only the copies follow it. A large round's metadata is in the meta region and its
+        // payload already in the row of the token's first local expert: everything waits for the tag.
         const bool staged = staged_source(ep, s_tally, s);
-        const char* meta = message_meta(ep, rank, staged, par, s, i);
-        if (!warp_wait_until(reinterpret_cast<const int*>(meta) + 1,
-                             [round](int v) { return message_complete(static_cast<unsigned>(v), round); }, ep,
-                             K_DISPATCH_RECV, s, lane))
-            break;
-        CUEP_TRACE_LATEST(ep, lane == 0, 24);
-        const int t = *reinterpret_cast<const int*>(meta);
+        const char* meta = message_meta(ep, rank, staged, par, s, staged ? s_msg_tok[s * S + i] : i);
+        auto wait_payload = [&]() {
+            const bool ok = warp_wait_until(reinterpret_cast<const int*>(meta) + 1,
+                                            [round](int v) { return message_complete(static_cast<unsigned>(v), round); },
+                                            ep, K_DISPATCH_RECV, s, lane, sleep_ns);
+            CUEP_TRACE_LATEST(ep, lane == 0, 24);
+            return ok;
+        };
+        int t, id = -1, row = -1;
+        float w = 0.f;
+        if (staged) {
+            t = s_msg_tok[s * S + i];
+            bool ok = true;
+            if (lane < K) {
+                const uint64_t* book = book_row(ep, rank, par, s) + book_mask_words(ep);
+                const long long c = static_cast<long long>(t) * K + lane;
+                const uint32_t stamp = static_cast<uint32_t>(round) + 1;
+                uint32_t v = 0, wb = 0;
+                ok = wait_stamped(ep, book + c, stamp, K_DISPATCH_RECV, s, v, sleep_ns) &&
+                     (ch != 0 ||
+                      wait_stamped(ep, book + ep[P_SMALL_TOKENS] * K + c, stamp, K_DISPATCH_RECV, s, wb, sleep_ns));
+                id = static_cast<int>(v & 0xFFFFu);
+                if (id != kNoExpert && id / L == rank)
+                    row = s_offsets[sh + id - rank * L] + rows_before(ep, s_tally, s, id) + static_cast<int>(v >> 16);
+                w = __int_as_float(static_cast<int>(wb));
+            }
+            if (!__all_sync(0xffffffffu, ok)) break;
+        } else {
+            if (!wait_payload()) break;
+            t = *reinterpret_cast<const int*>(meta);
+            if (lane < K) {
+                id = reinterpret_cast<const uint16_t*>(meta + ep[P_META_IDS])[lane];
+                row = reinterpret_cast<const int*>(meta + ep[P_META_ROWS])[lane];
+                w = reinterpret_cast<const float*>(meta + ep[P_META_W])[lane];
+            }
+        }
         const uint8_t* scales = reinterpret_cast<const uint8_t*>(meta + ep[P_META_SCALES]);
         const int src_rank = ep[P_SKIP_A2A] ? rank : s;
         const long long mi = s * T_max + i;
-        int id = -1, row = -1;
-        float w = 0.f;
-        if (lane < K) {
-            id = reinterpret_cast<const uint16_t*>(meta + ep[P_META_IDS])[lane];
-            row = reinterpret_cast<const int*>(meta + ep[P_META_ROWS])[lane];
-            w = reinterpret_cast<const float*>(meta + ep[P_META_W])[lane];
-            // staged: the sender knew only the position in its (expert, source) block
-            if (staged && row >= 0) row += s_offsets[sh + id - rank * L] + rows_before(ep, s_tally, s, id);
-        }
         unsigned local = __ballot_sync(0xffffffffu, row >= 0);
         const int first = local ? __ffs(local) - 1 : 0;
         const int first_row = __shfl_sync(0xffffffffu, row, first);
@@ -835,6 +964,7 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
             CUEP_TRACE_LATEST(ep, lane == 0, 25);
         };
         if (ch != 0) {  // payload chunk only
+            if (staged && !wait_payload()) break;
             fan_out();
             continue;
         }
@@ -863,6 +993,7 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
             a.msg_token[mi] = t;
             a.msg_j[mi] = __popc(new_ranks);
         }
+        if (staged && !wait_payload()) break;
         while (local) {
             const int k = __ffs(local) - 1;
             local &= local - 1;
@@ -920,7 +1051,7 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
     for (int s = 0; s < n_src; ++s) {
         const bool staged = staged_source(ep, s_tally, s);
         for (int i = threadIdx.x; i < s_msg_count[s]; i += blockDim.x)
-            reinterpret_cast<int*>(message_meta(ep, rank, staged, par, s, i))[1] = 0;
+            reinterpret_cast<int*>(message_meta(ep, rank, staged, par, s, staged ? s_msg_tok[s * S + i] : i))[1] = 0;
     }
     if (threadIdx.x == 0) {
         ctr[C_DONE_RECV] = 0;
@@ -967,7 +1098,7 @@ __device__ void dispatch_kernel(const EPParams& params, DispatchArgs a, int phas
                                ? send_blocks
                                : 0;
     if ((phases & kPhaseRecv) && static_cast<int>(blockIdx.x) >= first_recv)
-        phase_recv<FMT>(ep, a, recv_round, smem, &s_flag, first_recv);
+        phase_recv<FMT>(ep, a, recv_round, smem, &s_flag, first_recv, phases);
 }
 
 #define CUEP_DISPATCH(NAME, FMT, T)                                                                         \

@@ -97,6 +97,10 @@ constexpr int kKnobSendersReceive = 1 << 8;  // dispatch, small fused round: the
 constexpr int kKnobTallyWait = 1 << 9;       // dispatch, small round: send blocks wait for block 0's tally stores
 // dispatch, small fused round: v = bits 10-14 nonzero: v/16 of the blocks send (16: all, then they receive too)
 constexpr int kKnobSmallSendShift = 10;
+// dispatch receive: v = bits 16-18: the polls of tallies, book rows and ready tags sleep 32 << v ns (64 << v for
+// tallies) between loads instead of 32 (64)
+constexpr int kKnobPollShift = 16;
+__device__ __forceinline__ unsigned poll_sleep_ns(int knobs, unsigned base) { return base << ((knobs >> kKnobPollShift) & 7); }
 
 struct EP {
     const long long* p;
@@ -192,7 +196,7 @@ struct SourceInterleave {
 // it. Returns false (after recording whom it waited for) on timeout or once the rank has failed.
 template <class Done>
 __device__ __forceinline__ bool warp_wait_until(const int* tag, Done done, const EP& ep, int kernel, int src,
-                                                int lane) {
+                                                int lane, unsigned sleep_ns = 32) {
     int ok = 1;
     if (lane == 0) {
         const uint64_t t0 = global_timer_ns();
@@ -203,7 +207,7 @@ __device__ __forceinline__ bool warp_wait_until(const int* tag, Done done, const
                 ok = 0;
                 break;
             }
-            __nanosleep(32);
+            __nanosleep(sleep_ns);
         }
     }
     ok = __shfl_sync(0xffffffffu, ok, 0);
