@@ -7,7 +7,7 @@ from .formats import ALIGN, SCALE_TILE_BYTES, SCALE_TILE_ROWS, Format, MessageLa
     check_hidden, get_format
 
 MAX_GPUS_PER_NODE = 8
-SMALL_BATCH_DEFAULT = 128     # default small_batch_tokens (capped at max_tokens_per_rank): the measured crossover
+SMALL_BATCH_DEFAULT = 256     # default small_batch_tokens (capped at max_tokens_per_rank): the measured crossover
 SMALL_BATCH_MAX_CHOICES = 8192  # small_batch_tokens x top_k: the send block's bookkeeping in shared memory
 SMALL_BATCH_MAX_EXPERTS = 1024  # n_experts: 16 per-range expert counters (uint16) in shared memory
 COMBINE_DTYPES = {"bfloat16": 2, "float32": 4}
@@ -39,8 +39,8 @@ class EPConfig:
         small_batch_tokens: a dispatch round in which a rank sends at most this many tokens uses the
             low-latency (decode) protocol for them: the tokens go to a staging area at each destination at once,
             without first waiting for every rank's histogram, and the receiver places them. Default
-            min(max_tokens_per_rank, 128) (0 when n_experts > 1024; on 2 x H200 the staged protocol is faster
-            up to N = 128 and slower from N = 256); 0 turns it off. Costs
+            min(max_tokens_per_rank, 256) (0 when n_experts > 1024; on 2 x H200 the staged protocol is faster
+            up to N = 256 and level with the direct one at N = 512); 0 turns it off. Costs
             2 x sources x (small_batch_tokens x message bytes + 8 x small_book_len) of symmetric memory per rank.
 
     Raises:
@@ -97,7 +97,7 @@ class EPConfig:
             raise ValueError(f"small_batch_tokens={v} must be <= max_tokens_per_rank={self.max_tokens_per_rank}")
         if v and v * self.top_k > SMALL_BATCH_MAX_CHOICES:
             raise ValueError(f"small_batch_tokens={v} x top_k={self.top_k} must be <= {SMALL_BATCH_MAX_CHOICES} "
-                             f"(the send block keeps every choice's bookkeeping in shared memory)")
+                             f"(block 0 keeps every choice's bookkeeping in shared memory)")
         if v and self.n_experts > SMALL_BATCH_MAX_EXPERTS:
             raise ValueError(f"small_batch_tokens={v} needs n_experts <= {SMALL_BATCH_MAX_EXPERTS} (got "
                              f"{self.n_experts}); pass small_batch_tokens=0")
