@@ -8,8 +8,9 @@ from .formats import ALIGN, SCALE_TILE_BYTES, SCALE_TILE_ROWS, Format, MessageLa
 
 MAX_GPUS_PER_NODE = 8
 SMALL_BATCH_DEFAULT = 256     # default small_batch_tokens (capped at max_tokens_per_rank): the measured crossover
-SMALL_BATCH_MAX_CHOICES = 8192  # small_batch_tokens x top_k: the send block's bookkeeping in shared memory
-SMALL_BATCH_MAX_EXPERTS = 1024  # n_experts: 16 per-range expert counters (uint16) in shared memory
+SMALL_BATCH_MAX_CHOICES = 8192  # small_batch_tokens x top_k: block 0's bookkeeping in shared memory
+SMALL_BATCH_MAX_EXPERTS = 1024  # n_experts: a token mask per expert in shared memory
+SMALL_BATCH_MAX_MASK_BYTES = 65536  # n_experts x ceil(small_batch_tokens / 32) x 4: those token masks
 COMBINE_DTYPES = {"bfloat16": 2, "float32": 4}
 
 
@@ -101,6 +102,10 @@ class EPConfig:
         if v and self.n_experts > SMALL_BATCH_MAX_EXPERTS:
             raise ValueError(f"small_batch_tokens={v} needs n_experts <= {SMALL_BATCH_MAX_EXPERTS} (got "
                              f"{self.n_experts}); pass small_batch_tokens=0")
+        if v and self.n_experts * -(-v // 32) * 4 > SMALL_BATCH_MAX_MASK_BYTES:
+            most = SMALL_BATCH_MAX_MASK_BYTES // (4 * self.n_experts) * 32
+            raise ValueError(f"small_batch_tokens={v} with n_experts={self.n_experts} must be <= {most} (block 0 "
+                             f"keeps a token mask per expert in {SMALL_BATCH_MAX_MASK_BYTES} bytes of shared memory)")
         return v
 
     # ---- the group -----------------------------------------------------------------------------------------
@@ -186,10 +191,9 @@ class EPConfig:
     def small_book_len(self) -> int:
         """uint64 entries of a small round's book row (one per parity and source in each destination): the source's
         token mask for the destination (ceil(D / 32) words, D = small_batch_tokens), then each choice's expert and
-        position in its (expert, source) block (D x top_k), then each choice's weight (D x top_k). 0 when small
-        rounds are off."""
+        position in its (expert, source) block (D x top_k). 0 when small rounds are off."""
         D = self.small_batch_tokens
-        return -(-D // 32) + 2 * D * self.top_k
+        return -(-D // 32) + D * self.top_k
 
     @property
     def buffer_regions(self) -> dict[str, tuple[int, int]]:

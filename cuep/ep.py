@@ -197,12 +197,14 @@ def _dispatch_launch(buf: Buffer, staged: bool) -> tuple[int, int]:
 def _small_book_bytes(cfg) -> int:
     """Shared memory of a small round's bookkeeping (small_book_bytes in dispatch.cu; block 0 computes it in notify):
     per choice its expert and position (uint16), per rank a token mask (ceil(D / 32) words), per token its rank
-    mask, 16 token ranges x E counts (uint16), the histogram, 8 message counts. 0 when small rounds are off."""
+    mask, per expert a token mask (ceil(D / 32) words), the histogram, 8 message counts. 0 when small rounds are
+    off."""
     D, K, E = cfg.small_batch_tokens, cfg.top_k, cfg.n_experts
     if not D:
         return 0
     a16 = lambda n: -(-n // 16) * 16  # noqa: E731
-    return 2 * a16(2 * D * K) + a16(4 * 8 * (-(-D // 32))) + a16(4 * D) + a16(2 * 16 * E) + a16(4 * E) + 4 * 8
+    W = -(-D // 32)
+    return 2 * a16(2 * D * K) + a16(4 * 8 * W) + a16(4 * D) + a16(4 * E * W) + a16(4 * E) + 4 * 8
 
 
 def _blocks(buf: Buffer, threads: int) -> int:

@@ -20,8 +20,8 @@ POINTS = {
     4: "send: layout done (first send block) (small: = 3)", 5: "send: first send block's items done",
     6: "send: last block done", 7: "recv: layout done (last block)", 8: "recv: last block's items done",
     9: "recv: padding done (last block)", 10: "recv: last block re-armed, round over",
-    22: "small notify: destinations ready (after the book)", 18: "small book: ids loaded", 19: "small book: ranks",
-    20: "small book: counts", 21: "small book: positions",
+    22: "small notify: destinations ready (after the book)", 18: "small book: ids loaded",
+    19: "small book: validity and masks", 21: "small book: positions and histogram",
     28: "send: latest block's items start", 23: "send: latest warp's items done",
     29: "recv: latest block's layout done", 24: "recv: latest warp's ready tag seen",
     25: "recv: latest warp's item done", 26: "recv: latest block done (before the count)",
@@ -76,7 +76,7 @@ def main():
     gate.close()
     print(f"{g.n_ranks} GPUs, N={a.tokens}, {a.format}: median us after the kernel's first point, per rank")
     print(f"{'point':45s}" + "".join(f"  rank {r.rank:d}" for r in buf._ranks))
-    for op, first, pts in (("d", 0, [0, 18, 19, 20, 21, 1, 22] + [2, 3, 4, 28, 5, 23, 6, 7, 29, 24, 8, 25, 9, 26, 27, 10]), ("c", 12, range(12, 18))):
+    for op, first, pts in (("d", 0, [0, 18, 19, 21, 1, 22] + [2, 3, 4, 28, 5, 23, 6, 7, 29, 24, 8, 25, 9, 26, 27, 10]), ("c", 12, range(12, 18))):
         for k in pts:
             row = []
             for r in buf._ranks:

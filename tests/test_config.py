@@ -75,15 +75,15 @@ def test_derived_sizes(fmt, shared, skip):
 
 def test_small_batch_tokens_default_and_staging_region():
     """Small rounds (decode) stage their messages: 2 parities x sources x small_batch_tokens records of
-    (meta | payload), then a book row per parity and source (token mask words, choices, weights).
+    (meta | payload), then a book row per parity and source (token mask words, then the choices).
     Default min(T, 256); off (0) past 1024 experts, where the book's counters would not fit in shared memory;
     capped so that small_batch_tokens x top_k <= 8192."""
     cfg = EPConfig(**STD)
     assert cfg.small_batch_tokens == 256
-    assert cfg.small_book_len == 256 // 32 + 2 * 256 * 8
+    assert cfg.small_book_len == 256 // 32 + 256 * 8
     assert cfg.buffer_regions["stage"][1] == 2 * 4 * (256 * cfg.message.nbytes + 8 * cfg.small_book_len)
     odd = EPConfig(**{**STD, "top_k": 3, "small_batch_tokens": 33})
-    assert odd.small_book_len == 2 + 2 * 99  # ceil(33 / 32) mask words, 99 choices, 99 weights
+    assert odd.small_book_len == 2 + 99  # ceil(33 / 32) mask words, 99 choices
     assert EPConfig(**{**STD, "max_tokens_per_rank": 100}).small_batch_tokens == 100
     assert EPConfig(**{**STD, "n_experts": 2048}).small_batch_tokens == 0
     assert EPConfig(**{**STD, "top_k": 32, "n_experts": 256}).small_batch_tokens == 256
@@ -96,7 +96,11 @@ def test_small_batch_tokens_default_and_staging_region():
     assert "small_batch_tokens=256" in repr(cfg)
     from cuep.ep import _small_book_bytes
     assert _small_book_bytes(off) == 0
-    assert _small_book_bytes(cfg) == 2 * 2 * 256 * 8 + 4 * 8 * 8 + 4 * 256 + 2 * 16 * 256 + 4 * 256 + 32
+    assert _small_book_bytes(cfg) == 2 * 2 * 256 * 8 + 4 * 8 * 8 + 4 * 256 + 4 * 256 * 8 + 4 * 256 + 32
+    # block 0's per-expert token masks bound small_batch_tokens by n_experts (64 KiB of masks)
+    assert EPConfig(**{**STD, "n_experts": 1024, "small_batch_tokens": 512}).small_batch_tokens == 512
+    with pytest.raises(ValueError, match=r"small_batch_tokens=544 with n_experts=1024 must be <= 512"):
+        EPConfig(**{**STD, "n_experts": 1024, "small_batch_tokens": 544})
 
 
 def test_memory_at_standard_shape_is_small():

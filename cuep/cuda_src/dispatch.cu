@@ -292,11 +292,12 @@ __device__ __forceinline__ char* message_meta(const EP& ep, int rank, bool stage
 //   [ceil(S / 32)]  the source's token mask for this destination (word w, bit b: token 32 w + b comes here),
 //   [S * K]         choice c of the source's [N, K] table: its expert (kNoExpert if not valid) | its position in
 //                   the (expert, source) block << 16,
-//   [S * K]         choice c's router weight (float bits),
-// S = small_tokens. The receiver has a message's whole metadata before its payload lands.
+// S = small_tokens. The receiver has a message's rows before its payload lands; the router weights ride in the
+// staging record's metadata (a second [S * K] of weights made the book row twice as long, and the book is what
+// the receiver waits for first).
 __device__ __forceinline__ int book_mask_words(const EP& ep) { return static_cast<int>((ep[P_SMALL_TOKENS] + 31) / 32); }
 __device__ __forceinline__ int book_len(const EP& ep) {
-    return book_mask_words(ep) + static_cast<int>(2 * ep[P_SMALL_TOKENS] * ep[P_TOP_K]);
+    return book_mask_words(ep) + static_cast<int>(ep[P_SMALL_TOKENS] * ep[P_TOP_K]);
 }
 __device__ __forceinline__ uint64_t* book_row(const EP& ep, int rank, int par, int s) {
     const long long rec = ep[P_META_BYTES] + ep[P_PAYLOAD_BYTES];
@@ -323,112 +324,106 @@ __device__ __forceinline__ bool wait_stamped(const EP& ep, const uint64_t* p, ui
     return true;
 }
 
-constexpr int kSmallRanges = 16;     // token ranges of the in-order position count
 constexpr uint16_t kNoExpert = 0xFFFF;
 
-// The send block's bookkeeping of a small round, in shared memory (sizes: small_book_bytes; cuep/ep.py mirrors it).
+// Block 0's bookkeeping of a small round, in shared memory (sizes: small_book_bytes; cuep/ep.py mirrors it).
 struct SmallBook {
     uint16_t* expert;  // [N*K] the choice's expert if valid, else kNoExpert
     uint16_t* pos;     // [N*K] its position in the (expert, this source) block at the destination (token order)
     unsigned* words;   // [8 * ceil(D / 32)] each destination rank's token mask (bit t % 32 of word t / 32)
     int* mask;         // [N] the token's destination ranks
-    uint16_t* count;   // [kSmallRanges * E] per-range expert counts, then each range's start
+    unsigned* bits;    // [E * ceil(D / 32)] each expert's token mask (which tokens chose it)
     int* hist;         // [E] tokens to each expert
     int* n_msgs;       // [8] messages to each rank
 };
 
 __device__ __forceinline__ SmallBook small_book(const EP& ep, char* smem) {
-    const long long D = ep[P_SMALL_TOKENS], K = ep[P_TOP_K], E = ep[P_N_EXPERTS];
+    const long long D = ep[P_SMALL_TOKENS], K = ep[P_TOP_K], E = ep[P_N_EXPERTS], W = (D + 31) / 32;
     SmallBook b;
     char* p = smem;
     b.expert = reinterpret_cast<uint16_t*>(p); p += align_up(2 * D * K);
     b.pos = reinterpret_cast<uint16_t*>(p); p += align_up(2 * D * K);
-    b.words = reinterpret_cast<unsigned*>(p); p += align_up(4 * kMaxRanks * ((D + 31) / 32));
+    b.words = reinterpret_cast<unsigned*>(p); p += align_up(4 * kMaxRanks * W);
     b.mask = reinterpret_cast<int*>(p); p += align_up(4 * D);
-    b.count = reinterpret_cast<uint16_t*>(p); p += align_up(2 * kSmallRanges * E);
+    b.bits = reinterpret_cast<unsigned*>(p); p += align_up(4 * E * W);
     b.hist = reinterpret_cast<int*>(p); p += align_up(4 * E);
     b.n_msgs = reinterpret_cast<int*>(p);
     return b;
 }
 __device__ __forceinline__ long long small_book_bytes(const EP& ep) {
-    const long long D = ep[P_SMALL_TOKENS], K = ep[P_TOP_K], E = ep[P_N_EXPERTS];
-    return 2 * align_up(2 * D * K) + align_up(4 * kMaxRanks * ((D + 31) / 32)) + align_up(4 * D) +
-           align_up(2 * kSmallRanges * E) + align_up(4 * E) + 4 * kMaxRanks;
+    const long long D = ep[P_SMALL_TOKENS], K = ep[P_TOP_K], E = ep[P_N_EXPERTS], W = (D + 31) / 32;
+    return 2 * align_up(2 * D * K) + align_up(4 * kMaxRanks * W) + align_up(4 * D) + align_up(4 * E * W) +
+           align_up(4 * E) + 4 * kMaxRanks;
 }
 
 // Fill the book (all threads of the block; ends with a block barrier). `report`: this block records bad choices.
+// A thread per choice throughout, so the whole book is three passes with a barrier after each (the first version,
+// 16 token ranges counted warp by warp after a __match_any_sync pass, took 4 us after the ids landed):
+//   1. the ids into shared memory (out-of-range ones marked), the masks cleared;
+//   2. each choice's validity (no earlier choice of its token with the same expert, skip_a2a's locality), then
+//      atomicOr of the token into its expert's token mask and of the expert's rank into the token's rank mask;
+//   3. positions: the popcount of the expert's token mask below the token; the histogram: the mask's popcount.
 __device__ void small_bookkeeping(const EP& ep, const DispatchArgs& a, const SmallBook& b, bool report) {
     const int E = static_cast<int>(ep[P_N_EXPERTS]), K = static_cast<int>(ep[P_TOP_K]);
     const int L = static_cast<int>(ep[P_N_LOCAL]), R = static_cast<int>(ep[P_N_RANKS]);
     const int N = a.num_tokens, NK = N * K;
     const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, n_warps = blockDim.x / kWarp;
     // parameters in registers: the loops below store to shared memory through generic pointers and may report
-    // errors, after which the compiler would reload every ep[] from global memory (3 us of this book)
+    // errors, after which the compiler would reload every ep[] (this mattered when the block was in global memory)
     const bool skip = ep[P_SKIP_A2A] != 0;
     const int my_rank = static_cast<int>(ep[P_RANK]);
-    // 1. Every id at once (coalesced, independent loads); out-of-range ones marked.
+    const int W = (N + 31) / 32;  // words of a token mask this round (the arrays are sized for small_tokens)
+    // 1. Every id at once (coalesced, independent loads); out-of-range ones marked. The masks cleared.
     for (int c = threadIdx.x; c < NK; c += blockDim.x) {
         const int v = a.topk_ids[c];
         const bool ok = v >= 0 && v < E;
         if (!ok && report) report_error(ep, kStatusBadExpertId, K_DISPATCH_SEND, v, c / K);
         b.expert[c] = ok ? static_cast<uint16_t>(v) : kNoExpert;
     }
-    for (int i = threadIdx.x; i < kSmallRanges * E; i += blockDim.x) b.count[i] = 0;
+    for (int i = threadIdx.x; i < E * W; i += blockDim.x) b.bits[i] = 0u;
+    for (int t = threadIdx.x; t < N; t += blockDim.x) b.mask[t] = 0;
     __syncthreads();
     CUEP_TRACE(ep, report, 18);
-    // 2. Repeats, skip_a2a's non-local choices and destination ranks: groups of G lanes (G = K rounded up to a
-    // power of two) take one token each, so a warp does 32 / G tokens at once (a warp per token with shuffle loops
-    // took 5.5 us for 128 tokens, a thread per token 3.3 us).
-    const int G = K <= 1 ? 1 : 1 << (32 - __clz(K - 1));
-    for (int t0 = warp * (kWarp / G); t0 < N; t0 += n_warps * (kWarp / G)) {
-        const int t = t0 + lane / G, k = lane % G;
-        const bool has = t < N && k < K;
-        const int e = has ? b.expert[t * K + k] : kNoExpert;
-        const bool in_range = e != kNoExpert;
-        // an earlier lane of the same token with the same expert (lanes without an expert get keys of their own)
-        const unsigned same = __match_any_sync(0xffffffffu, in_range ? t * 65536 + e : -1 - lane);
-        const bool repeat = in_range && (same & ((1u << lane) - 1u)) != 0;
-        const bool local_ok = !skip || (in_range && e / L == my_rank);
-        if (report && repeat && local_ok) report_error(ep, kStatusDuplicateExpert, K_DISPATCH_SEND, e, t);
-        const bool valid = in_range && !repeat && local_ok;
-        unsigned to_ranks = valid ? 1u << (e / L) : 0u;
-        for (int o = 1; o < G; o <<= 1) to_ranks |= __shfl_xor_sync(0xffffffffu, to_ranks, o);
-        if (has && !valid) b.expert[t * K + k] = kNoExpert;
-        if (t < N && k == 0) b.mask[t] = static_cast<int>(to_ranks);
+    // 2. Validity and the masks. b.pos carries the validity to pass 3 (b.expert must stay intact until every
+    // thread has compared its choice with the earlier ones).
+    for (int c = threadIdx.x; c < NK; c += blockDim.x) {
+        const int t = c / K, k = c - t * K, e = b.expert[c];
+        bool valid = e != kNoExpert;
+        bool repeat = false;
+        for (int j = 0; valid && j < k; ++j) repeat |= b.expert[t * K + j] == e;
+        if (report && valid && repeat && (!skip || e / L == my_rank))
+            report_error(ep, kStatusDuplicateExpert, K_DISPATCH_SEND, e, t);
+        valid = valid && !repeat && (!skip || e / L == my_rank);
+        if (valid) {
+            atomicOr(b.bits + e * W + t / 32, 1u << (t % 32));
+            atomicOr(b.mask + t, 1 << (e / L));
+        }
+        b.pos[c] = valid ? 1 : 0;
     }
     __syncthreads();
     CUEP_TRACE(ep, report, 19);
-    // 3. Positions in token order: a warp counts each of kSmallRanges contiguous token ranges (a token's valid
-    // choices are distinct experts, so its lanes never collide), then each range's start per expert, then the fix.
-    const int per = (N + kSmallRanges - 1) / kSmallRanges;
-    for (int j = warp; j < kSmallRanges; j += n_warps) {
-        uint16_t* cnt = b.count + j * E;
-        for (int t = j * per; t < min(N, (j + 1) * per); ++t) {
-            const int e = lane < K ? b.expert[t * K + lane] : kNoExpert;
-            if (e != kNoExpert) b.pos[t * K + lane] = cnt[e]++;
-            __syncwarp();
-        }
-    }
-    __syncthreads();
-    CUEP_TRACE(ep, report, 20);
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        int run = 0;
-        for (int j = 0; j < kSmallRanges; ++j) {
-            const int c = b.count[j * E + e];
-            b.count[j * E + e] = static_cast<uint16_t>(run);
-            run += c;
-        }
-        b.hist[e] = run;
-    }
-    __syncthreads();
+    // 3. Positions in token order (the earlier tokens of the expert's mask), the histogram.
     for (int c = threadIdx.x; c < NK; c += blockDim.x) {
-        const int e = b.expert[c];
-        if (e != kNoExpert) b.pos[c] += b.count[(c / K / per) * E + e];
+        if (!b.pos[c]) {
+            b.expert[c] = kNoExpert;
+            continue;
+        }
+        const int t = c / K, e = b.expert[c];
+        const unsigned* m = b.bits + e * W;
+        int pos = __popc(m[t / 32] & ((1u << (t % 32)) - 1u));
+        for (int w = 0; w < t / 32; ++w) pos += __popc(m[w]);
+        b.pos[c] = static_cast<uint16_t>(pos);
+    }
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        int n = 0;
+        for (int w = 0; w < W; ++w) n += __popc(b.bits[e * W + w]);
+        b.hist[e] = n;
     }
     CUEP_TRACE(ep, report, 21);
     // 4. Each destination's token mask (a warp per 32 tokens, a ballot per rank), then its message count.
-    const int n_words = (N + kWarp - 1) / kWarp, stride = static_cast<int>((ep[P_SMALL_TOKENS] + 31) / 32);
-    for (int w = warp; w < n_words; w += n_warps) {
+    const int stride = static_cast<int>((ep[P_SMALL_TOKENS] + 31) / 32);
+    __syncthreads();
+    for (int w = warp; w < W; w += n_warps) {
         const int t = w * kWarp + lane;
         const unsigned m = t < N ? static_cast<unsigned>(b.mask[t]) : 0u;
         for (int r = 0; r < R; ++r) {
@@ -439,7 +434,7 @@ __device__ void small_bookkeeping(const EP& ep, const DispatchArgs& a, const Sma
     __syncthreads();
     if (threadIdx.x < kMaxRanks) {
         int m = 0;
-        for (int w = 0; static_cast<int>(threadIdx.x) < R && w < n_words; ++w)
+        for (int w = 0; static_cast<int>(threadIdx.x) < R && w < W; ++w)
             m += __popc(b.words[threadIdx.x * stride + w]);
         b.n_msgs[threadIdx.x] = m;
     }
@@ -451,7 +446,6 @@ __device__ void publish_small_book(const EP& ep, const DispatchArgs& a, int roun
     const int K = static_cast<int>(ep[P_TOP_K]), me = static_cast<int>(ep[P_SRC_INDEX]);
     const int n_dest = ep[P_SKIP_A2A] ? 1 : static_cast<int>(ep[P_N_RANKS]);
     const int stride = book_mask_words(ep), n_words = (a.num_tokens + 31) / 32, NK = a.num_tokens * K;
-    const long long SK = ep[P_SMALL_TOKENS] * K;
     for (int d = 0; d < n_dest; ++d) {
         const int r = ep[P_SKIP_A2A] ? static_cast<int>(ep[P_RANK]) : d;
         uint64_t* row = book_row(ep, r, round & 1, me);
@@ -459,9 +453,7 @@ __device__ void publish_small_book(const EP& ep, const DispatchArgs& a, int roun
             store_relaxed_u64(row + i, tally_entry(round, static_cast<int>(b.words[r * stride + i])));
         for (int c = threadIdx.x; c < NK; c += blockDim.x) {
             const unsigned e = b.expert[c], pos = e != kNoExpert ? b.pos[c] : 0u;
-            const float w = a.topk_weights ? a.topk_weights[c] : 0.f;
             store_relaxed_u64(row + stride + c, tally_entry(round, static_cast<int>(e | pos << 16)));
-            store_relaxed_u64(row + stride + SK + c, tally_entry(round, __float_as_int(w)));
         }
     }
 }
@@ -510,9 +502,10 @@ __device__ void phase_notify(const EP& ep, const DispatchArgs& a, int round, int
         for (int i = 0; i < 8; ++i) n_msgs[i] = book.n_msgs[i];
         publish_tallies(ep, round, book.hist, a.num_tokens, n_msgs);
         publish_small_book(ep, a, round, book);
-        // (with knob kKnobTallyWait the send blocks start only once these tally stores are issued)
+        // (with knob kKnobTallyWait the send blocks start only once these stores are issued: a plain flag, no
+        // release; nothing depends on the order, the receiver checks every entry's stamp)
         __syncthreads();
-        if (threadIdx.x == 0) store_release_gpu_i32(ep.counters() + C_SMALL_TALLY, round + 1);
+        if (threadIdx.x == 0) *reinterpret_cast<volatile int*>(ep.counters() + C_SMALL_TALLY) = round + 1;
         CUEP_TRACE(ep, true, 2);
         return;
     }
@@ -673,7 +666,7 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
                 r = e / L;
                 row = s_base[e] + pos[static_cast<long long>(t) * K + lane];
             }
-            if (a.topk_weights && !small) w = a.topk_weights[static_cast<long long>(t) * K + lane];
+            if (a.topk_weights) w = a.topk_weights[static_cast<long long>(t) * K + lane];
         }
         // Encode the chunk once: quantized formats (and bf16 from float32) into this warp's staging, at the
         // offsets of the whole row; bf16 goes straight from x.
@@ -719,12 +712,14 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
             char* dst = small ? meta + ep[P_META_BYTES] : ep.peer(d, ep[P_OFF_TOKENS]) + first_row * pb;
             if (lane == n_dst) lane_dst = reinterpret_cast<unsigned long long>(dst);
             ++n_dst;
-            if (ch == 0 && !small) {  // a staged record's token, experts and weights are in the book row
-                if (lane == 0) *reinterpret_cast<int*>(meta) = t;
+            if (ch == 0) {  // a staged record needs only the weights: its token and rows are in the book row
+                if (lane == 0 && !small) *reinterpret_cast<int*>(meta) = t;
                 if (lane < K) {
-                    reinterpret_cast<uint16_t*>(meta + ep[P_META_IDS])[lane] = static_cast<uint16_t>(e);
                     reinterpret_cast<float*>(meta + ep[P_META_W])[lane] = w;
-                    reinterpret_cast<int*>(meta + ep[P_META_ROWS])[lane] = r == d ? row : -1;
+                    if (!small) {
+                        reinterpret_cast<uint16_t*>(meta + ep[P_META_IDS])[lane] = static_cast<uint16_t>(e);
+                        reinterpret_cast<int*>(meta + ep[P_META_ROWS])[lane] = r == d ? row : -1;
+                    }
                 }
             }
             for (int b = s_lo + 8 * lane; b < s_hi; b += 8 * kWarp)
@@ -921,14 +916,11 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
                 const uint64_t* book = book_row(ep, rank, par, s) + book_mask_words(ep);
                 const long long c = static_cast<long long>(t) * K + lane;
                 const uint32_t stamp = static_cast<uint32_t>(round) + 1;
-                uint32_t v = 0, wb = 0;
-                ok = wait_stamped(ep, book + c, stamp, K_DISPATCH_RECV, s, v, sleep_ns) &&
-                     (ch != 0 ||
-                      wait_stamped(ep, book + ep[P_SMALL_TOKENS] * K + c, stamp, K_DISPATCH_RECV, s, wb, sleep_ns));
+                uint32_t v = 0;
+                ok = wait_stamped(ep, book + c, stamp, K_DISPATCH_RECV, s, v, sleep_ns);
                 id = static_cast<int>(v & 0xFFFFu);
                 if (id != kNoExpert && id / L == rank)
                     row = s_offsets[sh + id - rank * L] + rows_before(ep, s_tally, s, id) + static_cast<int>(v >> 16);
-                w = __int_as_float(static_cast<int>(wb));
             }
             if (!__all_sync(0xffffffffu, ok)) break;
         } else {
@@ -973,7 +965,7 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
             a.src_info[2LL * row] = t;
             a.src_info[2LL * row + 1] = lane;
             a.row_src[row] = src_rank;
-            a.row_weight[row] = w;
+            if (!staged) a.row_weight[row] = w;  // staged: the weight rides with the payload (below)
         }
         // My position among the token's destination ranks in top-k order (its partial-sum slot in combine):
         // the number of distinct ranks of valid choices whose first choice comes before mine. All lanes shuffle.
@@ -993,7 +985,10 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
             a.msg_token[mi] = t;
             a.msg_j[mi] = __popc(new_ranks);
         }
-        if (staged && !wait_payload()) break;
+        if (staged) {
+            if (!wait_payload()) break;
+            if (lane < K && row >= 0) a.row_weight[row] = reinterpret_cast<const float*>(meta + ep[P_META_W])[lane];
+        }
         while (local) {
             const int k = __ffs(local) - 1;
             local &= local - 1;

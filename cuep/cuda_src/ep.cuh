@@ -64,7 +64,7 @@ struct EPParams {
 
 // Private int32 counters (offsets into the counters region).
 enum Counter : int {
-    C_SMALL_TALLY = 0,    // round + 1 once block 0 issued a small round's tally stores (dispatch; kKnobTallyWait)
+    C_SMALL_TALLY = 0,    // round + 1 once block 0 issued a small round's tally and book stores (kKnobTallyWait)
     C_CRECV_ROUND = 1,    // combine receive rounds completed; 2-7: unused
     C_DISP_ROUND = 8,     // dispatch send rounds completed
     C_RECV_ROUND = 9,     // dispatch receive rounds completed
@@ -94,7 +94,7 @@ constexpr int kPhaseRecv = 4;     // wait for it and lay it out
 // Measurement knobs, bits 8 and up of `phases` (CUEP_EP_KNOBS in the environment, read by cuep/ep.py; 0 in use):
 // one build times both sides of a design choice.
 constexpr int kKnobSendersReceive = 1 << 8;  // dispatch, small fused round: the send blocks receive too
-constexpr int kKnobTallyWait = 1 << 9;       // dispatch, small round: send blocks wait for block 0's tally stores
+constexpr int kKnobTallyWait = 1 << 9;       // dispatch, small round: send blocks wait for block 0's book stores
 // dispatch, small fused round: v = bits 10-14 nonzero: v/16 of the blocks send (16: all, then they receive too)
 constexpr int kKnobSmallSendShift = 10;
 // dispatch receive: v = bits 16-18: the polls of tallies, book rows and ready tags sleep 32 << v ns (64 << v for
