@@ -589,9 +589,9 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
     uint8_t* s_scales = s_payload + align_up(pb);
     if (small) {
         // 1s. Every destination is ready (small_round_ready). No book: a token's record is its index, and each
-        // warp finds its token's destinations itself. The send blocks do not wait for block 0's tally stores
-        // (2 x H200, N = 128: 33.7 us against 34.8 with the wait; knob kKnobTallyWait restores it): the receiver
-        // waits for the tallies, the book rows and each message's tag anyway.
+        // warp finds its token's destinations itself. The send blocks do not wait for block 0's tally and book
+        // stores (2 x H200, N = 128 bf16: 29.1-29.4 us against 32.4-32.8 with the wait; knob kKnobTallyWait
+        // restores it): the receiver waits for the tallies, the book rows and each message's tag anyway.
         if (!small_round_ready(ep, round, &s_ok)) return;
         CUEP_TRACE(ep, static_cast<int>(blockIdx.x) == first_sender, 3);
         if (warp == 0 && (knobs & kKnobTallyWait) &&
@@ -894,10 +894,11 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
          item = __shfl_sync(0xffffffffu, lane == 0 ? atomicAdd(next_item, 1) : 0, 0)) {
         int s, i, ch;
         if (!order.at(item, s, i, ch)) continue;
-        // A small round's message sits in the staging area (record t for token t) and its metadata in the source's
-        // book row, which lands before the data: the rows and the bookkeeping outputs are done before the payload's
-        // tag is waited for, so only the copies follow it. A large round's metadata is in the meta region and its
-        // payload already in the row of the token's first local expert: everything waits for the tag.
+        // A small round's message sits in the staging area (record t for token t) and its rows in the source's book
+        // row, which block 0 publishes while the data move: the rows and the bookkeeping outputs (but the weights,
+        // which ride in the record's metadata) are done before the payload's tag is waited for, so mostly the
+        // copies follow it. A large round's metadata is in the meta region and its payload already in the row of
+        // the token's first local expert: everything waits for the tag.
         const bool staged = staged_source(ep, s_tally, s);
         const char* meta = message_meta(ep, rank, staged, par, s, staged ? s_msg_tok[s * S + i] : i);
         auto wait_payload = [&]() {
