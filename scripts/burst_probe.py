@@ -62,7 +62,7 @@ def main():
                             spans.append((int(s[1]) - int(s[0])) / 1e3)
 
                 t = timing.measure(run, devs, repeats=a.repeats, warmup=2, series=1, setup=reset, gate=gate)
-                # one more run for the span (the timed runs reset it each time; read the last one)
+                # the span of the last timed run (a warm one: setup resets it before every run)
                 collect()
                 rows.append((mode, kib, blocks, t["warm"].round_us, t["cold"].round_us, float(np.median(spans))))
                 print(f"mode {mode} {kib:5d} KiB blocks {blocks:4d}: warm {t['warm'].round_us:6.1f} us "
