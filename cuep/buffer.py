@@ -31,7 +31,7 @@ PARAM_FIELDS = [
     "rank", "n_ranks", "n_src", "src_index", "n_local", "n_experts", "top_k", "hidden", "max_tokens",
     "payload_bytes", "scale_bytes", "row_align", "n_scales", "k_tiles", "n_groups", "shared", "skip_a2a",
     "capacity", "meta_bytes", "meta_ids", "meta_w", "meta_rows", "meta_scales", "combine_itemsize",
-    "small_tokens", "off_tokens", "off_comb_recv", "off_meta", "off_tally", "off_comb_ready",
+    "small_tokens", "stage_record", "off_tokens", "off_comb_recv", "off_meta", "off_tally", "off_comb_ready",
     "off_comb_arrived", "off_counters", "off_scratch", "off_stage", "timeout_ns", "err_ptr",
 ] + [f"peer_base{i}" for i in range(8)]
 
@@ -222,7 +222,7 @@ class Buffer:
                 capacity=cfg.capacity, meta_bytes=m.meta_bytes, meta_ids=m.topk_ids_offset,
                 meta_w=m.topk_weights_offset, meta_rows=m.topk_rows_offset, meta_scales=m.scales_offset,
                 combine_itemsize=cfg.combine_itemsize,
-                small_tokens=cfg.small_batch_tokens, timeout_ns=int(self.timeout_s * 1e9), err_ptr=r.err_host_ptr,
+                small_tokens=cfg.small_batch_tokens, stage_record=cfg.stage_record_bytes, timeout_ns=int(self.timeout_s * 1e9), err_ptr=r.err_host_ptr,
                 **{f"off_{k}": regions[k][0] for k in ("tokens", "comb_recv", "meta", "tally",
                                                        "comb_ready", "comb_arrived", "counters",
                                                        "scratch", "stage")},

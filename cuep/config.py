@@ -42,7 +42,8 @@ class EPConfig:
             without first waiting for every rank's histogram, and the receiver places them. Default
             min(max_tokens_per_rank, 256) (0 when n_experts > 1024; on 2 x H200 the staged protocol is faster
             up to N = 256 and level with the direct one at N = 512); 0 turns it off. Costs
-            2 x sources x (small_batch_tokens x message bytes + 8 x small_book_len) of symmetric memory per rank.
+            2 x sources x (small_batch_tokens x stage_record_bytes + 8 x small_book_len) of symmetric memory per
+            rank.
 
     Raises:
         ValueError: naming the argument and the rule it breaks.
@@ -196,6 +197,17 @@ class EPConfig:
         return -(-D // 32) + D * self.top_k
 
     @property
+    def stage_flag_bytes(self) -> int:
+        """Bytes of a staging record's chunk flags: one uint32 per 256-value span of the hidden size (a small round's
+        sender stores a token in at most that many chunks, each of which sets its own flag), 16-byte aligned."""
+        return align_up(4 * -(-self.hidden // 256), 16)
+
+    @property
+    def stage_record_bytes(self) -> int:
+        """Bytes of one staging record of a small round: metadata | chunk flags | payload."""
+        return self.message.meta_bytes + self.stage_flag_bytes + self.message.payload_bytes
+
+    @property
     def buffer_regions(self) -> dict[str, tuple[int, int]]:
         """Byte (offset, size) of every region of one rank's symmetric allocation, identical on every rank.
 
@@ -207,8 +219,8 @@ class EPConfig:
         [T]: 16-byte vectors of combine data landed per token this round; the receiver re-arms it).
         ``counters`` (int32) and ``scratch`` (int32 [T, K] slots of each choice in its (expert, source) block,
         [T, 8] message slot per (token, destination), [T] destination ranks of each token) are private to the rank.
-        Peers also write ``stage`` ([2 parities, sources, small_batch_tokens, meta_bytes + payload_bytes]: the
-        messages of small rounds, record t for token t (metadata record, then payload), which the receiver copies
+        Peers also write ``stage`` ([2 parities, sources, small_batch_tokens, :attr:`stage_record_bytes`]: the
+        messages of small rounds, record t for token t (metadata record, chunk flags, payload), which the receiver copies
         to their rows; then uint64 [2 parities, sources, :attr:`small_book_len`]: each source's book row, stamped
         like the tally).
         There is no send buffer: a token is encoded once, in shared memory, and stored straight into each
@@ -222,7 +234,7 @@ class EPConfig:
                  ("comb_ready", 8 * self.n_ranks), ("comb_arrived", 4 * T),
                  ("counters", 4 * self.n_counters),
                  ("scratch", 4 * T * (self.top_k + 8 + 1)),
-                 ("stage", 2 * S * (self.small_batch_tokens * self.message.nbytes + 8 * self.small_book_len))]
+                 ("stage", 2 * S * (self.small_batch_tokens * self.stage_record_bytes + 8 * self.small_book_len))]
         out, off = {}, 0
         for name, size in sizes:
             out[name] = (off, size)

@@ -18,7 +18,7 @@ POINTS = {
     2: "notify: last block published (small: block 0)",
     3: "send: histograms acquired (first send block) (small: ready)",
     4: "send: layout done (first send block) (small: = 3)", 5: "send: first send block's items done",
-    6: "send: last block done", 7: "recv: layout done (last block)", 8: "recv: last block's items done",
+7: "recv: layout done (last block)", 8: "recv: last block's items done",
     9: "recv: padding done (last block)", 10: "recv: last block re-armed, round over",
     22: "small notify: destinations ready (after the book)", 18: "small book: ids loaded",
     19: "small book: validity and masks", 21: "small book: positions and histogram",
@@ -27,7 +27,7 @@ POINTS = {
     25: "recv: latest warp's item done", 26: "recv: latest block done (before the count)",
     27: "recv: last block counted (before re-arming)",
     12: "combine entry (block 0)", 13: "send: destinations ready (block 0)", 14: "send: block 0's items done",
-    15: "send: last block done", 16: "recv: last block's tokens done", 17: "recv: last block re-armed, over",
+    15: "send: latest block done", 16: "recv: last block's tokens done", 17: "recv: last block re-armed, over",
 }
 
 
@@ -76,7 +76,7 @@ def main():
     gate.close()
     print(f"{g.n_ranks} GPUs, N={a.tokens}, {a.format}: median us after the kernel's first point, per rank")
     print(f"{'point':45s}" + "".join(f"  rank {r.rank:d}" for r in buf._ranks))
-    for op, first, pts in (("d", 0, [0, 18, 19, 21, 1, 22] + [2, 3, 4, 28, 5, 23, 6, 7, 29, 24, 8, 25, 9, 26, 27, 10]), ("c", 12, range(12, 18))):
+    for op, first, pts in (("d", 0, [0, 18, 19, 21, 1, 22] + [2, 3, 4, 28, 5, 23, 7, 29, 24, 8, 25, 9, 26, 27, 10]), ("c", 12, range(12, 18))):
         for k in pts:
             row = []
             for r in buf._ranks:

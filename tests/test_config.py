@@ -75,13 +75,17 @@ def test_derived_sizes(fmt, shared, skip):
 
 def test_small_batch_tokens_default_and_staging_region():
     """Small rounds (decode) stage their messages: 2 parities x sources x small_batch_tokens records of
-    (meta | payload), then a book row per parity and source (token mask words, then the choices).
+    (meta | chunk flags | payload), then a book row per parity and source (token mask words, then the choices).
     Default min(T, 256); off (0) past 1024 experts, where the book's counters would not fit in shared memory;
     capped so that small_batch_tokens x top_k <= 8192."""
     cfg = EPConfig(**STD)
     assert cfg.small_batch_tokens == 256
     assert cfg.small_book_len == 256 // 32 + 256 * 8
-    assert cfg.buffer_regions["stage"][1] == 2 * 4 * (256 * cfg.message.nbytes + 8 * cfg.small_book_len)
+    # one uint32 flag per 256-value span of H = 7168 (28), 16-byte aligned
+    assert cfg.stage_flag_bytes == 112
+    assert cfg.stage_record_bytes == cfg.message.meta_bytes + 112 + cfg.message.payload_bytes
+    assert EPConfig(**{**STD, "hidden": 7168 + 128}).stage_flag_bytes == 128  # 29 spans
+    assert cfg.buffer_regions["stage"][1] == 2 * 4 * (256 * cfg.stage_record_bytes + 8 * cfg.small_book_len)
     odd = EPConfig(**{**STD, "top_k": 3, "small_batch_tokens": 33})
     assert odd.small_book_len == 2 + 99  # ceil(33 / 32) mask words, 99 choices
     assert EPConfig(**{**STD, "max_tokens_per_rank": 100}).small_batch_tokens == 100
@@ -90,7 +94,7 @@ def test_small_batch_tokens_default_and_staging_region():
     assert EPConfig(**{**STD, "top_k": 16, "n_experts": 256, "small_batch_tokens": 512}).small_batch_tokens == 512
     off = EPConfig(**STD, small_batch_tokens=0)
     assert off.small_batch_tokens == 0 and off.small_book_len == 0 and off.buffer_regions["stage"][1] == 0
-    assert EPConfig(**STD, skip_a2a=True).buffer_regions["stage"][1] == 2 * 1 * (256 * cfg.message.nbytes +
+    assert EPConfig(**STD, skip_a2a=True).buffer_regions["stage"][1] == 2 * 1 * (256 * cfg.stage_record_bytes +
                                                                                    8 * cfg.small_book_len)
     # the resolved value is part of the config (the repr every rank compares)
     assert "small_batch_tokens=256" in repr(cfg)

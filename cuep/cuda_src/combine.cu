@@ -422,19 +422,13 @@ __device__ bool send_items(const EP& ep, const CombineArgs& a, int round, int se
     return true;
 }
 
-// send: the first `send_blocks` blocks move the data (in a fused launch the others go straight to receiving);
-// the last block to finish advances the round.
+// send: the first `send_blocks` blocks move the data (in a fused launch the others go straight to receiving).
+// No end-of-phase count: the block that entered the kernel last advances the round (combine_kernel).
 template <typename TC>
-__device__ void phase_send(const EP& ep, const CombineArgs& a, int round, int* s_flag, int send_blocks) {
-    int* ctr = ep.counters();
+__device__ void phase_send(const EP& ep, const CombineArgs& a, int round, int send_blocks) {
     if (static_cast<int>(blockIdx.x) < send_blocks && !send_items<TC>(ep, a, round, send_blocks)) return;
     CUEP_TRACE(ep, blockIdx.x == 0, 14);
-    if (!last_block_done(ctr + C_DONE_CSEND, s_flag, /*peer_writes=*/false)) return;
-    CUEP_TRACE(ep, true, 15);
-    if (threadIdx.x == 0) {
-        ctr[C_DONE_CSEND] = 0;
-        ctr[C_COMB_ROUND] = round + 1;
-    }
+    CUEP_TRACE_LATEST(ep, threadIdx.x == 0, 15);
 }
 
 template <typename TC>
@@ -569,11 +563,11 @@ template <typename TC>
 __device__ void combine_kernel(const EPParams& params, const CombineArgs& a, int phases) {
     __shared__ int s_flag;
     const EP ep{params.v};
-    // the error flag and the round in one round trip (as in dispatch_kernel)
-    const int status = *reinterpret_cast<volatile int*>(ep.counters() + C_ERROR);
-    const int round = *reinterpret_cast<volatile int*>(ep.counters() + C_COMB_ROUND);
-    if (status == kStatusTimeout) return;
-    __syncthreads();
+    // the error flag and the round in one load per block (as in dispatch_kernel)
+    const EntryCounters entry = load_entry_counters(ep);
+    if (entry.status == kStatusTimeout) return;
+    const int round = entry.comb_round;
+    const int entered = count_entry(ep, C_ENTER_COMBINE);
     CUEP_TRACE(ep, blockIdx.x == 0, 12);
     if (phases & kPhaseNotify) phase_notify(ep, round);
     // In one fused launch a share of the blocks only receive, so the sums overlap the incoming stream
@@ -582,9 +576,10 @@ __device__ void combine_kernel(const EPParams& params, const CombineArgs& a, int
 #ifndef CUEP_COMBINE_RECV_BLOCK_DIV
 #define CUEP_COMBINE_RECV_BLOCK_DIV 0
 #endif
-    if (phases & kPhaseSend)
-        phase_send<TC>(ep, a, round, &s_flag, send_block_count(phases, CUEP_COMBINE_RECV_BLOCK_DIV));
+    if (phases & kPhaseSend) phase_send<TC>(ep, a, round, send_block_count(phases, CUEP_COMBINE_RECV_BLOCK_DIV));
     if (phases & kPhaseRecv) phase_recv<TC>(ep, a, &s_flag);
+    // The block that entered last advances the send round (the receive half's last block counts its own rounds).
+    if (last_to_enter(ep, C_ENTER_COMBINE, entered) && (phases & kPhaseSend)) ep.counters()[C_COMB_ROUND] = round + 1;
 }
 
 #define CUEP_COMBINE(NAME, TC)                                                                               \

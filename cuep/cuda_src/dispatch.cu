@@ -93,6 +93,9 @@ __device__ void place_row_scales(const EP& ep, const DispatchArgs& a, long long 
 // is this round's and the count of chunks that landed equals the chunk count. The receiver re-arms the tags
 // (zero) at the end of its round, before it publishes the next round's histogram, so no sender adds to a tag
 // that is not zero-based.
+// A small round's staged record has a flag per chunk instead (chunk_flag: the round's stamp and the chunk count,
+// one store after the fence), which nothing re-arms: a stale flag carries an older round's stamp. So a round in
+// which every source was staged ends without an end-of-round count (phase_recv).
 constexpr int kMaxChunks = 255;
 __device__ __forceinline__ unsigned message_stamp(int round) { return (static_cast<unsigned>(round) & 0x7FFFu) + 1u; }
 
@@ -104,6 +107,54 @@ __device__ __forceinline__ void message_tag_add(int* tag, int round, int chunk, 
 
 __device__ __forceinline__ bool message_complete(unsigned v, int round) {
     return (v >> 16) == message_stamp(round) && ((v >> 8) & 0xFFu) == (v & 0xFFu);
+}
+
+// A staged chunk's flag: the round's stamp (bits 8-30, never 0, so a zeroed flag is no round's) | the chunk count.
+__device__ __forceinline__ unsigned chunk_stamp(int round) { return (static_cast<unsigned>(round) & 0x7FFFFFu) + 1u; }
+__device__ __forceinline__ int chunk_flag(int round, int n_chunks) {
+    return static_cast<int>(chunk_stamp(round) << 8 | static_cast<unsigned>(n_chunks));
+}
+
+// Wait (bounded; all lanes) until every chunk of a staged message has landed: flag 0 carries this round's stamp
+// and the chunk count n, and flags 1..n-1 carry the stamp (each lane acquires its own flags, then the warp
+// barrier orders every lane's reads after them). `n_flags`: the record's flags (>= any chunk count). False
+// (after recording whom it waited for) on timeout or once the rank has failed.
+__device__ bool warp_wait_chunk_flags(const int* flags, int n_flags, int round, const EP& ep, int kernel, int src,
+                                      int lane, unsigned sleep_ns) {
+    const unsigned stamp = chunk_stamp(round);
+    const uint64_t t0 = global_timer_ns();
+    uint64_t checked = t0;
+    for (;;) {
+        const unsigned v = lane < n_flags ? static_cast<unsigned>(load_acquire_sys_i32(flags + lane)) : 0u;
+        const unsigned f0 = __shfl_sync(0xffffffffu, v, 0);
+        bool landed = false;
+        if ((f0 >> 8) == stamp) {
+            const int n = static_cast<int>(f0 & 0xFFu);
+            landed = __all_sync(0xffffffffu, lane >= n || (v >> 8) == stamp);
+            for (int j0 = kWarp; landed && j0 < n; j0 += kWarp) {
+                const int j = j0 + lane;
+                landed = __all_sync(0xffffffffu,
+                                    j >= n || (static_cast<unsigned>(load_acquire_sys_i32(flags + j)) >> 8) == stamp);
+            }
+        }
+        if (landed) break;
+        int stop = 0;
+        if (lane == 0) {
+            const uint64_t now = global_timer_ns();
+            if (now - checked > kFailCheckNs) {
+                stop = has_failed(ep);
+                checked = now;
+            }
+            if (!stop && now - t0 > static_cast<uint64_t>(ep[P_TIMEOUT_NS])) {
+                report_error(ep, kStatusTimeout, kernel, -1, src);
+                stop = 1;
+            }
+        }
+        if (__shfl_sync(0xffffffffu, stop, 0)) return false;
+        __nanosleep(sleep_ns);
+    }
+    __syncwarp();
+    return true;
 }
 
 // A tally row, one per (source, parity), written by the source into each destination:
@@ -144,11 +195,16 @@ __device__ bool load_tallies(const EP& ep, int round, int* s_tally, int kernel, 
     if (threadIdx.x == 0) *s_ok = 1;
     __syncthreads();
     const uint64_t t0 = global_timer_ns();
+    uint64_t checked = t0;
     for (int i = threadIdx.x; i < n_src * E1; i += blockDim.x) {
         uint64_t v;
         while (static_cast<uint32_t>((v = load_acquire_u64(tally + i)) >> 32) != stamp) {
-            if (has_failed(ep)) { *s_ok = 0; break; }
-            if (global_timer_ns() - t0 > static_cast<uint64_t>(ep[P_TIMEOUT_NS])) {
+            const uint64_t now = global_timer_ns();
+            if (now - checked > kFailCheckNs) {
+                if (has_failed(ep)) { *s_ok = 0; break; }
+                checked = now;
+            }
+            if (now - t0 > static_cast<uint64_t>(ep[P_TIMEOUT_NS])) {
                 report_error(ep, kStatusTimeout, kernel, -1, i / E1);
                 *s_ok = 0;
                 break;
@@ -275,16 +331,24 @@ __device__ __forceinline__ bool small_round(const EP& ep, int num_tokens) {
 __device__ __forceinline__ bool staged_source(const EP& ep, const int* s_tally, int s) {
     return ep[P_SMALL_TOKENS] > 0 && s_tally[s * tally_len(ep) + ep[P_N_EXPERTS]] <= ep[P_SMALL_TOKENS];
 }
-// The metadata record of message slot i of source s in rank `rank`'s buffer (its first int is the token, its second
-// the ready tag). Staged (a small round): record i (the token index) of the staging area at parity par, metadata
-// then payload. Direct: the meta region (i: the message slot; the payload went to the row of the token's first
-// local expert).
+// The metadata record of message slot i of source s in rank `rank`'s buffer (direct: its first int is the token,
+// its second the ready tag). Staged (a small round): record i (the token index) of the staging area at parity par:
+// metadata, chunk flags (staged_flags), payload (staged_payload). Direct: the meta region (i: the message slot;
+// the payload went to the row of the token's first local expert).
 __device__ __forceinline__ char* message_meta(const EP& ep, int rank, bool staged, int par, int s, int i) {
-    if (staged) {
-        const long long rec = ep[P_META_BYTES] + ep[P_PAYLOAD_BYTES];
-        return ep.peer(rank, ep[P_OFF_STAGE]) + ((par * ep[P_N_SRC] + s) * ep[P_SMALL_TOKENS] + i) * rec;
-    }
+    if (staged)
+        return ep.peer(rank, ep[P_OFF_STAGE]) + ((par * ep[P_N_SRC] + s) * ep[P_SMALL_TOKENS] + i) * ep[P_STAGE_RECORD];
     return ep.peer(rank, ep[P_OFF_META]) + (s * ep[P_MAX_TOKENS] + i) * ep[P_META_BYTES];
+}
+__device__ __forceinline__ int* staged_flags(const EP& ep, const char* meta) {
+    return reinterpret_cast<int*>(const_cast<char*>(meta) + ep[P_META_BYTES]);
+}
+__device__ __forceinline__ char* staged_payload(const EP& ep, const char* meta) {
+    return const_cast<char*>(meta) + ep[P_STAGE_RECORD] - ep[P_PAYLOAD_BYTES];
+}
+// Flags of a staging record: one per 256-value span of the hidden size (cuep/config.py: stage_flag_bytes).
+__device__ __forceinline__ int staged_flag_count(const EP& ep) {
+    return static_cast<int>((ep[P_HIDDEN] + kWarpSpan - 1) / kWarpSpan);
 }
 
 // A small round's book row, one per (parity, source) in each destination, after the staging records (the stage
@@ -300,8 +364,7 @@ __device__ __forceinline__ int book_len(const EP& ep) {
     return book_mask_words(ep) + static_cast<int>(ep[P_SMALL_TOKENS] * ep[P_TOP_K]);
 }
 __device__ __forceinline__ uint64_t* book_row(const EP& ep, int rank, int par, int s) {
-    const long long rec = ep[P_META_BYTES] + ep[P_PAYLOAD_BYTES];
-    char* books = ep.peer(rank, ep[P_OFF_STAGE]) + 2 * ep[P_N_SRC] * ep[P_SMALL_TOKENS] * rec;
+    char* books = ep.peer(rank, ep[P_OFF_STAGE]) + 2 * ep[P_N_SRC] * ep[P_SMALL_TOKENS] * ep[P_STAGE_RECORD];
     return reinterpret_cast<uint64_t*>(books) + (par * ep[P_N_SRC] + s) * book_len(ep);
 }
 
@@ -310,11 +373,15 @@ __device__ __forceinline__ uint64_t* book_row(const EP& ep, int rank, int par, i
 __device__ __forceinline__ bool wait_stamped(const EP& ep, const uint64_t* p, uint32_t stamp, int kernel, int src,
                                              uint32_t& value, unsigned sleep_ns = 32) {
     uint64_t v;
-    uint64_t t0 = 0;
+    uint64_t t0 = 0, checked = 0;
     while (static_cast<uint32_t>((v = load_acquire_u64(p)) >> 32) != stamp) {
-        if (has_failed(ep)) return false;
-        if (t0 == 0) t0 = global_timer_ns();
-        else if (global_timer_ns() - t0 > static_cast<uint64_t>(ep[P_TIMEOUT_NS])) {
+        const uint64_t now = global_timer_ns();
+        if (t0 == 0) t0 = checked = now;
+        if (now - checked > kFailCheckNs) {
+            if (has_failed(ep)) return false;
+            checked = now;
+        }
+        if (now - t0 > static_cast<uint64_t>(ep[P_TIMEOUT_NS])) {
             report_error(ep, kStatusTimeout, kernel, -1, src);
             return false;
         }
@@ -557,7 +624,7 @@ __device__ void phase_notify(const EP& ep, const DispatchArgs& a, int round, int
 // send: every rank's layout from the histograms, then one warp per token: encode it once (shared memory, or
 // straight from x for bf16) and store it to each destination rank it goes to.
 template <int FMT, typename T>
-__device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char* smem, int* s_flag, int send_blocks,
+__device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char* smem, int send_blocks,
                            bool book_ready, int knobs) {
     const int E = static_cast<int>(ep[P_N_EXPERTS]), K = static_cast<int>(ep[P_TOP_K]);
     const int L = static_cast<int>(ep[P_N_LOCAL]), H = static_cast<int>(ep[P_HIDDEN]);
@@ -709,7 +776,7 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
             const int first = __ffs(mask) - 1;
             const int first_row = __shfl_sync(0xffffffffu, row, first);
             char* meta = message_meta(ep, d, small, par, me, message_slot(t, d));
-            char* dst = small ? meta + ep[P_META_BYTES] : ep.peer(d, ep[P_OFF_TOKENS]) + first_row * pb;
+            char* dst = small ? staged_payload(ep, meta) : ep.peer(d, ep[P_OFF_TOKENS]) + first_row * pb;
             if (lane == n_dst) lane_dst = reinterpret_cast<unsigned long long>(dst);
             ++n_dst;
             if (ch == 0) {  // a staged record needs only the weights: its token and rows are in the book row
@@ -739,16 +806,17 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
             for (int j = 0; j < n_dst; ++j)
                 v.store(reinterpret_cast<char*>(__shfl_sync(0xffffffffu, lane_dst, j)) + b, n, lane);
         }
-        // The chunk counts itself into each destination's ready tag last: the warp's stores above happen before
-        // the tags (warp barrier, then one system-scope fence for all destinations: a release per destination
-        // waited for each destination's stores in turn, 5 us of a 2-GPU decode dispatch).
+        // The chunk counts itself into each destination's ready tag (staged: sets its flag) last: the warp's
+        // stores above happen before the tags (warp barrier, then one system-scope fence for all destinations: a
+        // release per destination waited for each destination's stores in turn, 5 us of a 2-GPU decode dispatch).
         __syncwarp();
         if (lane == 0 && sent) {
             fence_sys();
             for (unsigned m = sent; m; m &= m - 1) {
                 const int d = __ffs(m) - 1;
-                message_tag_add(reinterpret_cast<int*>(message_meta(ep, d, small, par, me, message_slot(t, d))) + 1,
-                                round, ch, n_chunks);
+                char* meta = message_meta(ep, d, small, par, me, message_slot(t, d));
+                if (small) store_relaxed_sys_i32(staged_flags(ep, meta) + ch, chunk_flag(round, n_chunks));
+                else message_tag_add(reinterpret_cast<int*>(meta) + 1, round, ch, n_chunks);
             }
         }
         if (ep[P_SHARED]) {
@@ -770,13 +838,9 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
     CUEP_TRACE_LATEST(ep, lane == 0, 23);
     }
 done:
-    // 3. Last block: advance the round (every message already carries its own ready tag).
-    if (!last_block_done(ctr + C_DONE_SEND, s_flag, /*peer_writes=*/false)) return;
-    CUEP_TRACE(ep, true, 6);
-    if (threadIdx.x == 0) {
-        ctr[C_DONE_SEND] = 0;
-        ctr[C_DISP_ROUND] = round + 1;
-    }
+    // No end-of-phase count: every message carries its own ready tag, and the block that entered the kernel last
+    // advances the round (dispatch_kernel).
+    return;
 }
 
 // recv: wait for every source, then lay the round out. Blocks [first_block, grid) take part (see dispatch_kernel).
@@ -794,7 +858,7 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
 
     __shared__ int s_ok;
     __shared__ int s_scan[32];
-    __shared__ int s_msg_count[kMaxRanks], s_msg_total, s_msg_most;
+    __shared__ int s_msg_count[kMaxRanks], s_msg_total, s_msg_most, s_all_staged;
 
     // The layout needs only the histograms (they arrive before any data); messages are then placed one by one
     // as their ready tags land, so the copies below overlap the incoming stream.
@@ -810,10 +874,12 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
         s_offsets[0] = 0;
         if (sh) s_offsets[1] = shared_rows(ep, s_tally, rank);
         s_msg_total = s_msg_most = 0;
+        s_all_staged = 1;
         for (int s = 0; s < n_src; ++s) {
             s_msg_count[s] = s_tally[s * E1 + E + 1];
             s_msg_total += s_msg_count[s];
             s_msg_most = max(s_msg_most, s_msg_count[s]);
+            s_all_staged &= staged_source(ep, s_tally, s) ? 1 : 0;
         }
     }
     // A staged source's messages: its tokens that come here, in token order (message i of source s is token
@@ -888,10 +954,17 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
     // blocks, take whatever is next: the fan-out follows the incoming stream. The order interleaves the sources
     // (message slots fill in roughly the order the senders send), so no warp waits for one source while messages
     // of the others have landed (in source order: 4 x H200 fused dispatch 615 us against a 506 us send half).
+    // A round whose sources were all staged (decode) has about one item per warp: warp w takes items w, w + warps,
+    // ... (consecutive items on different SMs), with no atomics and no item counter to re-arm.
+    const bool all_staged = s_all_staged != 0;
+    const int recv_warp = (threadIdx.x / kWarp) * n_blocks + block, n_recv_warps = n_blocks * n_warps;
     int* next_item = ctr + C_RECV_ITEM;
+    auto claim = [&](int prev) {
+        if (all_staged) return prev < 0 ? recv_warp : prev + n_recv_warps;
+        return __shfl_sync(0xffffffffu, lane == 0 ? atomicAdd(next_item, 1) : 0, 0);
+    };
     const SourceInterleave order{s_msg_count, n_src, n_chunks, 0, n_src * s_msg_most * n_chunks};
-    for (int item = __shfl_sync(0xffffffffu, lane == 0 ? atomicAdd(next_item, 1) : 0, 0); item < order.n_items;
-         item = __shfl_sync(0xffffffffu, lane == 0 ? atomicAdd(next_item, 1) : 0, 0)) {
+    for (int item = claim(-1); item < order.n_items; item = claim(item)) {
         int s, i, ch;
         if (!order.at(item, s, i, ch)) continue;
         // A small round's message sits in the staging area (record t for token t) and its rows in the source's book
@@ -902,9 +975,12 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
         const bool staged = staged_source(ep, s_tally, s);
         const char* meta = message_meta(ep, rank, staged, par, s, staged ? s_msg_tok[s * S + i] : i);
         auto wait_payload = [&]() {
-            const bool ok = warp_wait_until(reinterpret_cast<const int*>(meta) + 1,
-                                            [round](int v) { return message_complete(static_cast<unsigned>(v), round); },
-                                            ep, K_DISPATCH_RECV, s, lane, sleep_ns);
+            const bool ok =
+                staged ? warp_wait_chunk_flags(staged_flags(ep, meta), staged_flag_count(ep), round, ep,
+                                               K_DISPATCH_RECV, s, lane, sleep_ns)
+                       : warp_wait_until(reinterpret_cast<const int*>(meta) + 1,
+                                         [round](int v) { return message_complete(static_cast<unsigned>(v), round); },
+                                         ep, K_DISPATCH_RECV, s, lane, sleep_ns);
             CUEP_TRACE_LATEST(ep, lane == 0, 24);
             return ok;
         };
@@ -940,7 +1016,7 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
         const int first = local ? __ffs(local) - 1 : 0;
         const int first_row = __shfl_sync(0xffffffffu, row, first);
         // the payload's source, and the local rows it still has to reach (staged: all of them)
-        const char* payload = staged ? meta + ep[P_META_BYTES] : tokens + first_row * pb;
+        const char* payload = staged ? staged_payload(ep, meta) : tokens + first_row * pb;
         const unsigned copy_to = staged ? local : local & (local - 1);
         // This chunk of the payload to every row it still has to reach, 2 KiB at a time: loaded once into
         // registers, stored to each row (a copy per row re-loaded it behind the previous row's stores).
@@ -1041,18 +1117,21 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
 
     CUEP_TRACE(ep, block == n_blocks - 1, 9);
     CUEP_TRACE_LATEST(ep, threadIdx.x == 0, 26);
-    // Last block: re-arm the ready tags of this round's messages, then advance the round.
+    // A round of staged sources only ends here: their flags need no re-arming, its items no counter, and the block
+    // that entered last advances the round (dispatch_kernel). (The end-of-round count and re-arm took 2 us of a
+    // 2-GPU decode dispatch.)
+    if (all_staged) return;
+    // Last block: re-arm the ready tags of this round's direct messages and the item counter.
     if (!last_block_done(ctr + C_DONE_RECV, s_flag, /*peer_writes=*/false, n_blocks)) return;
     CUEP_TRACE(ep, true, 27);
     for (int s = 0; s < n_src; ++s) {
-        const bool staged = staged_source(ep, s_tally, s);
+        if (staged_source(ep, s_tally, s)) continue;
         for (int i = threadIdx.x; i < s_msg_count[s]; i += blockDim.x)
-            reinterpret_cast<int*>(message_meta(ep, rank, staged, par, s, staged ? s_msg_tok[s * S + i] : i))[1] = 0;
+            reinterpret_cast<int*>(message_meta(ep, rank, false, par, s, i))[1] = 0;
     }
     if (threadIdx.x == 0) {
         ctr[C_DONE_RECV] = 0;
         ctr[C_RECV_ITEM] = 0;
-        ctr[C_RECV_ROUND] = round + 1;
     }
     CUEP_TRACE(ep, true, 10);
 }
@@ -1065,13 +1144,12 @@ __device__ void dispatch_kernel(const EPParams& params, DispatchArgs a, int phas
     __shared__ int s_flag;
     const EP ep{params.v};
     int* ctr = ep.counters();
-    // The error flag and the rounds in one round trip (three loads in flight, then has_failed's test). Rounds are
-    // read once at entry: the last block of a phase advances them only after every block started.
-    const int status = *reinterpret_cast<volatile int*>(ctr + C_ERROR);
-    const int send_round = *reinterpret_cast<volatile int*>(ctr + C_DISP_ROUND);
-    const int recv_round = *reinterpret_cast<volatile int*>(ctr + C_RECV_ROUND);
-    if (status == kStatusTimeout) return;
-    __syncthreads();
+    // The error flag and the rounds in one load per block. Rounds are read once at entry: the last block of a
+    // phase advances them only after every block started.
+    const EntryCounters entry = load_entry_counters(ep);
+    if (entry.status == kStatusTimeout) return;
+    const int send_round = entry.disp_round, recv_round = entry.recv_round;
+    const int entered = count_entry(ep, C_ENTER_DISPATCH);
     CUEP_TRACE(ep, blockIdx.x == 0, 0);
     if (phases & kPhaseNotify) phase_notify(ep, a, send_round, &s_flag, smem);
     // In one fused launch half of the blocks only receive, so the fan-out runs while tokens are still being sent
@@ -1085,7 +1163,7 @@ __device__ void dispatch_kernel(const EPParams& params, DispatchArgs a, int phas
                                 ? max(1, static_cast<int>(gridDim.x) * min(small_sixteenths, 16) / 16)
                                 : send_block_count(phases, CUEP_RECV_BLOCK_DIV);
     if (phases & kPhaseSend)
-        phase_send<FMT, T>(ep, a, send_round, smem, &s_flag, send_blocks, (phases & kPhaseNotify) != 0, phases);
+        phase_send<FMT, T>(ep, a, send_round, smem, send_blocks, (phases & kPhaseNotify) != 0, phases);
     // A small round's fused launch: the blocks that sent do not receive; the receive-only blocks place the few
     // messages of a decode round (a sender that went on to receive first loaded every tally and laid the round
     // out again, 2 us after its last send, for items long taken). Knob kKnobSendersReceive keeps them receiving.
@@ -1095,6 +1173,11 @@ __device__ void dispatch_kernel(const EPParams& params, DispatchArgs a, int phas
                                : 0;
     if ((phases & kPhaseRecv) && static_cast<int>(blockIdx.x) >= first_recv)
         phase_recv<FMT>(ep, a, recv_round, smem, &s_flag, first_recv, phases);
+    // The block that entered last advances the rounds of the phases this launch ran.
+    if (last_to_enter(ep, C_ENTER_DISPATCH, entered)) {
+        if (phases & kPhaseSend) ctr[C_DISP_ROUND] = send_round + 1;
+        if (phases & kPhaseRecv) ctr[C_RECV_ROUND] = recv_round + 1;
+    }
 }
 
 #define CUEP_DISPATCH(NAME, FMT, T)                                                                         \

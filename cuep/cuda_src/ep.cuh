@@ -37,6 +37,7 @@ enum Param : int {
     P_META_SCALES,
     P_COMBINE_ITEMSIZE,
     P_SMALL_TOKENS,     // small_batch_tokens: a round of at most this many tokens takes the staged protocol (0: off)
+    P_STAGE_RECORD,     // bytes of one staging record: meta | chunk flags | payload
     P_OFF_TOKENS,
     P_OFF_COMB_RECV,
     P_OFF_META,
@@ -65,15 +66,15 @@ struct EPParams {
 // Private int32 counters (offsets into the counters region).
 enum Counter : int {
     C_SMALL_TALLY = 0,    // round + 1 once block 0 issued a small round's tally and book stores (kKnobTallyWait)
-    C_CRECV_ROUND = 1,    // combine receive rounds completed; 2-7: unused
+    C_CRECV_ROUND = 1,    // combine receive rounds completed
+    C_ENTER_DISPATCH = 2, // blocks of the running dispatch kernel that read the rounds (count_entry); 4-7: unused
+    C_ENTER_COMBINE = 3,  // the same for combine
     C_DISP_ROUND = 8,     // dispatch send rounds completed
     C_RECV_ROUND = 9,     // dispatch receive rounds completed
     C_COMB_ROUND = 10,    // combine send rounds completed
     C_ERROR = 11,         // nonzero once any kernel of this rank reported an error (first one wins)
-    C_DONE_NOTIFY = 12,   // blocks done with a phase (last one finishes the phase and resets it)
-    C_DONE_SEND = 13,
+    C_DONE_NOTIFY = 12,   // blocks done with a phase (last one finishes the phase and resets it); 13, 15: unused
     C_DONE_RECV = 14,
-    C_DONE_CSEND = 15,
     C_DONE_CRECV = 16,
     C_RECV_ITEM = 17,     // next receive work item to claim (dispatch receive phase)
     C_CRECV_ITEM = 18,    // next receive work item to claim (combine receive phase)
@@ -159,6 +160,48 @@ __device__ __forceinline__ bool has_failed(const EP& ep) {
     return *reinterpret_cast<volatile int*>(ep.counters() + C_ERROR) == kStatusTimeout;
 }
 
+// Rounds advance without an end-of-phase count: thread 0 of every block counts the block in right after it read
+// the rounds (count_entry, an atomic whose result it needs only at the end), and the block that entered last, when
+// every block has read them, advances them (last_to_enter, at the end of the kernel; the next launch on the stream
+// reads them). A count of blocks done at the end of a phase (fence, atomic, fence) took 1.3 us of a decode round.
+__device__ __forceinline__ int count_entry(const EP& ep, int counter) {
+    return threadIdx.x == 0 ? atomicAdd(ep.counters() + counter, 1) : -1;
+}
+// Thread 0 of the block that entered last (after resetting the count for the next launch): true once per launch.
+__device__ __forceinline__ bool last_to_enter(const EP& ep, int counter, int entered) {
+    if (threadIdx.x != 0 || entered != static_cast<int>(gridDim.x) - 1) return false;
+    ep.counters()[counter] = 0;
+    return true;
+}
+
+// A spinning wait looks at the rank's error flag (has_failed) at most this often. Every poll of it goes to the one
+// L2 line that also holds the work-item counters: polled on every spin by a thousand waiting warps it slowed the
+// item claims and the flag itself.
+constexpr uint64_t kFailCheckNs = 1000;
+
+// The rounds and the error flag at kernel entry: one 16-byte load by thread 0 of each block, shared through shared
+// memory. (Every thread loading them, 67K loads of one line, took 3 us of every EP kernel: a dispatch with no phase
+// ran 7.5 us event to event on 2 x H200, an empty kernel of the same grid 4.5.) All threads; ends with a barrier.
+struct EntryCounters {
+    int disp_round, recv_round, comb_round, status;
+};
+static_assert(C_RECV_ROUND == C_DISP_ROUND + 1 && C_COMB_ROUND == C_DISP_ROUND + 2 && C_ERROR == C_DISP_ROUND + 3 &&
+                  C_DISP_ROUND % 4 == 0,
+              "the entry counters are one aligned int4");
+__device__ __forceinline__ EntryCounters load_entry_counters(const EP& ep) {
+    __shared__ int4 s_entry;
+    if (threadIdx.x == 0) {
+        int4 v;
+        asm volatile("ld.volatile.global.v4.s32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "l"(ep.counters() + C_DISP_ROUND));
+        s_entry = v;
+    }
+    __syncthreads();
+    const int4 v = s_entry;
+    return {v.x, v.y, v.z, v.w};
+}
+
 // Split each of `items` rows of `unit_count` units into chunks so the grid's warps all get work: one chunk per
 // item when items outnumber warps (prefill), up to one unit per lane-step when they are few (decode).
 // Returns the chunk size in units, a multiple of `align_units`.
@@ -200,9 +243,14 @@ __device__ __forceinline__ bool warp_wait_until(const int* tag, Done done, const
     int ok = 1;
     if (lane == 0) {
         const uint64_t t0 = global_timer_ns();
+        uint64_t checked = t0;
         while (!done(load_acquire_sys_i32(tag))) {
-            if (has_failed(ep)) { ok = 0; break; }
-            if (global_timer_ns() - t0 > static_cast<uint64_t>(ep[P_TIMEOUT_NS])) {
+            const uint64_t now = global_timer_ns();
+            if (now - checked > kFailCheckNs) {
+                if (has_failed(ep)) { ok = 0; break; }
+                checked = now;
+            }
+            if (now - t0 > static_cast<uint64_t>(ep[P_TIMEOUT_NS])) {
                 report_error(ep, kStatusTimeout, kernel, -1, src);
                 ok = 0;
                 break;
