@@ -200,7 +200,7 @@ class Buffer:
             src_info=cupy.full((cfg.capacity, 2), -1, dtype=cupy.int32),
             row_src=cupy.full(cfg.capacity, -1, dtype=cupy.int32),
             row_weight=cupy.zeros(cfg.capacity, dtype=cupy.float32),
-            msg_rows=cupy.full(S * T * K, -1, dtype=cupy.int32), msg_token=cupy.zeros(S * T, dtype=cupy.int32),
+            msg_rows=cupy.full(2 * S * T * K, -1, dtype=cupy.int32), msg_token=cupy.zeros(S * T, dtype=cupy.int32),
             msg_j=cupy.zeros(S * T, dtype=cupy.int32), msg_count=cupy.zeros(S, dtype=cupy.int32))
 
     def _peer_bases(self) -> list[int]:

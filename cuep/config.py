@@ -215,8 +215,9 @@ class EPConfig:
         meta_bytes]: one record per message, with a ready tag), ``tally`` (uint64 [2 parities, sources, E + 2]:
         each source's expert histogram, token count and message count for this rank, each entry stamped with
         round + 1 in its high 32 bits), ``comb_recv`` ([T, K, H] in the combine dtype),
-        ``comb_ready`` (uint64 [R]: round + 1 once that rank may receive combine data), ``comb_arrived`` (int32
-        [T]: 16-byte vectors of combine data landed per token this round; the receiver re-arms it).
+        ``comb_ready`` (uint64 [2, R]: from each rank, the combine rounds it lets in: any kind, then partial-sum
+        rounds in parity slots), ``comb_arrived`` (int32 [2 parities, T, 32]: 16-byte vectors of combine data landed per
+        token and round, one counter per 128-byte line; the receiver re-arms a parity one round ahead).
         ``counters`` (int32) and ``scratch`` (int32 [T, K] slots of each choice in its (expert, source) block,
         [T, 8] message slot per (token, destination), [T] destination ranks of each token) are private to the rank.
         Peers also write ``stage`` ([2 parities, sources, small_batch_tokens, :attr:`stage_record_bytes`]: the
@@ -231,7 +232,7 @@ class EPConfig:
                  ("comb_recv", T * self.top_k * self.hidden * self.combine_itemsize),
                  ("meta", S * T * self.message.meta_bytes),
                  ("tally", 8 * 2 * S * (E + 2)),
-                 ("comb_ready", 8 * self.n_ranks), ("comb_arrived", 4 * T),
+                 ("comb_ready", 8 * 2 * self.n_ranks), ("comb_arrived", 4 * 2 * T * 32),
                  ("counters", 4 * self.n_counters),
                  ("scratch", 4 * T * (self.top_k + 8 + 1)),
                  ("stage", 2 * S * (self.small_batch_tokens * self.stage_record_bytes + 8 * self.small_book_len))]
@@ -249,9 +250,9 @@ class EPConfig:
 
     @property
     def handle_bytes(self) -> int:
-        """Per-round bookkeeping combine reads back (row -> source, weight; message -> rows, token, slot)."""
+        """Per-round bookkeeping combine reads back (row -> source, weight; message -> rows, weights, token, slot)."""
         msgs = self.n_source_ranks * self.max_tokens_per_rank
-        return self.capacity * 8 + msgs * (4 * self.top_k + 8)
+        return self.capacity * 8 + msgs * (8 * self.top_k + 8)
 
     @property
     def output_bytes(self) -> int:

@@ -75,8 +75,20 @@ struct Arrivals {
     }
 };
 
-__device__ __forceinline__ int* arrived_counter(const EP& ep, int r, int t) {
-    return reinterpret_cast<int*>(ep.peer(r, ep[P_OFF_COMB_ARRIVED])) + t;
+// Token t's arrival count at rank r for round `round`: comb_arrived is [2 parities, T] counters (notify re-arms the
+// other parity one round ahead, so no receive half ends with a re-arm), one per 128-byte line: packed, the 128
+// counts of a decode round sat in 4 lines that every receive warp polled and every sender added to.
+// cuep/config.py sizes the region for the largest stride (CUEP_ARRIVED_STRIDE=1 packs them, for measurements).
+#ifndef CUEP_ARRIVED_STRIDE
+#define CUEP_ARRIVED_STRIDE 32
+#endif
+constexpr int kArrivedStride = CUEP_ARRIVED_STRIDE;  // int32 counters per token and parity (<= 32)
+static_assert(kArrivedStride >= 1 && kArrivedStride <= 32, "comb_arrived holds 32 ints per token and parity");
+__device__ __forceinline__ int* arrived_base(const EP& ep, int r, int round) {
+    return reinterpret_cast<int*>(ep.peer(r, ep[P_OFF_COMB_ARRIVED])) + (round & 1) * ep[P_MAX_TOKENS] * kArrivedStride;
+}
+__device__ __forceinline__ int* arrived_counter(const EP& ep, int r, int round, int t) {
+    return arrived_base(ep, r, round) + static_cast<long long>(t) * kArrivedStride;
 }
 
 struct CombineArgs {
@@ -84,7 +96,7 @@ struct CombineArgs {
     const int* src_info;        // [capacity, 2]
     const int* row_src;         // [capacity]
     const float* row_weight;    // [capacity]
-    const int* msg_rows;        // [n_src, T, K]
+    const int* msg_rows;        // [n_src, T, K] rows, then their weights (msg_weights)
     const int* msg_token;       // [n_src, T]
     const int* msg_j;           // [n_src, T]
     const int* msg_count;       // [n_src]
@@ -122,28 +134,74 @@ __device__ __forceinline__ void store8f(TC* p, const float (&v)[8]) {
 __device__ __forceinline__ int n_dest_ranks(const EP& ep) { return ep[P_SKIP_A2A] ? 1 : static_cast<int>(ep[P_N_RANKS]); }
 __device__ __forceinline__ int dest_rank(const EP& ep, int d) { return ep[P_SKIP_A2A] ? static_cast<int>(ep[P_RANK]) : d; }
 
-// Tell every rank that sends to this one that it may send round `round` (threads 0..senders-1 of one block).
-__device__ __forceinline__ void publish_ready(const EP& ep, int round) {
+// ---- readiness: when may a rank send round q to this one? -------------------------------------------------
+// Parity slots: a partial-sum round (kPartial) whose partials fit twice in a token's K slots (2 x destination ranks
+// <= top_k) puts round q's partial j of token t in slot j + D x (q & 1), D = destination ranks. Two rounds in a
+// row never share a slot, so at the start of round q (notify) the receiver, whose round q - 1 is over, re-arms the
+// other parity and already lets everyone send round q + 1: the receive half ends with its last token, without an
+// end-of-round count (that count, re-arm and publication took 3.5 us of a 2-GPU decode combine). Other rounds
+// (weighted, unreduced, or 2 D > K) use slots 0..K-1 and publish readiness for the next round at their end.
+// comb_ready is uint64 [2][R]: [0][s] = "any" readiness from rank s, [1][s] = parity-slot readiness; a value v lets
+// rounds < v be sent. A round q in parity slots may be sent once either reaches q + 1, any other round once "any"
+// does. C_CREADY remembers the last "any" value this rank published.
+__device__ __forceinline__ bool parity_slots(const EP& ep, int mode) {
+    return mode == kPartial && 2 * n_dest_ranks(ep) <= ep[P_TOP_K];
+}
+__device__ __forceinline__ int slot_base(const EP& ep, int mode, int round) {
+    return parity_slots(ep, mode) ? n_dest_ranks(ep) * (round & 1) : 0;
+}
+
+// Tell every rank that sends to this one that it may send rounds < `value` ("any", or parity-slot readiness).
+// Threads 0..senders-1 of one block; a release, cumulative over the block barrier before it.
+__device__ __forceinline__ void publish_ready(const EP& ep, int value, bool parity) {
     if (threadIdx.x < n_dest_ranks(ep)) {
         const int r = dest_rank(ep, threadIdx.x);
-        uint64_t* flag = reinterpret_cast<uint64_t*>(ep.peer(r, ep[P_OFF_COMB_READY])) + ep[P_RANK];
-        store_release_u64(flag, static_cast<uint64_t>(round) + 1);
+        uint64_t* flag = reinterpret_cast<uint64_t*>(ep.peer(r, ep[P_OFF_COMB_READY])) + (parity ? ep[P_N_RANKS] : 0) +
+                         ep[P_RANK];
+        store_release_u64(flag, static_cast<uint64_t>(value));
     }
 }
 
-// Readiness for this round, unless the last receive block of the previous round already said so (phase_recv):
-// the first round after a reset. (Publishing it again cost block 0 a system-scope release before its sends.)
-__device__ void phase_notify(const EP& ep, int round) {
-    if (blockIdx.x == 0 && ep.counters()[C_CRECV_ROUND] < round + (round == 0)) publish_ready(ep, round);
+// notify (block 0), receiver side of round q: re-arm the other parity's arrival counts and item counter (their
+// last round, q - 1, is over: this launch comes after its receive half), then publish readiness: "any" for round q
+// unless the end of round q - 1 did, and in parity slots for round q + 1 (its slots are not round q's): that one is
+// not urgent, so in a launch that also sends, block 0 publishes it after its sends (publish_parity_ready; here it
+// delayed block 0's first item by 2 us).
+__device__ __forceinline__ void publish_parity_ready(const EP& ep, int round, int mode) {
+    if (!parity_slots(ep, mode)) return;
+    __syncthreads();  // every re-arming store of phase_notify before the flags (release, cumulative)
+    publish_ready(ep, round + 2, true);
+}
+__device__ void phase_notify(const EP& ep, int round, int mode, bool defer_parity) {
+    if (blockIdx.x != 0) return;
+    int* ctr = ep.counters();
+    const long long T = ep[P_MAX_TOKENS];
+    int* arrived = arrived_base(ep, static_cast<int>(ep[P_RANK]), round + 1);
+    for (long long t = threadIdx.x; t < T; t += blockDim.x) arrived[t * kArrivedStride] = 0;
+    const bool parity = parity_slots(ep, mode);
+    // "any" readiness for this round: not needed after a parity round (it let this round in already) nor after a
+    // round that published it at its end (C_CREADY); needed in the first round after a reset
+    const bool publish_any = ctr[C_CREADY] < round + 1 && (!parity || round == 0);
+    if (threadIdx.x == 0) ctr[C_CRECV_ITEM + ((round + 1) & 1)] = 0;
+    if (publish_any) {
+        __syncthreads();
+        publish_ready(ep, round + 1, false);
+        if (threadIdx.x == 0) ctr[C_CREADY] = round + 1;
+    }
+    if (!defer_parity) publish_parity_ready(ep, round, mode);
 }
 
 // The bf16 partial sums of phase_send through the cp.async ring: a warp's work is a sequence of pieces
 // (item = (message, chunk); for each 64-vector slice of the chunk, the message's rows 4 at a time); the issue
 // cursor runs kCombineRing - 1 pieces ahead of the compute cursor. Each lane copies and reads back only its own
 // two vectors of each row (no warp sync). Slices go out with bulk stores (bulk_store), as in the register path.
-template <typename TC>
-__device__ void send_partials_ring(const EP& ep, const CombineArgs& a, const SourceInterleave& order, int kChunkVecs,
-                                   int warp0, int warp_stride, TC* stage) {
+// `wait_ready()` (all threads of the block, false on failure) is called once the first pieces' loads are in flight:
+// the reads of the expert rows need no readiness, only the stores do (waiting first put an L2 round trip, 1 us, in
+// front of the loads).
+template <typename TC, class WaitReady>
+__device__ bool send_partials_ring(const EP& ep, const CombineArgs& a, int round, const SourceInterleave& order,
+                                   int kChunkVecs, int warp0, int warp_stride, TC* stage, WaitReady wait_ready) {
+    const int slots0 = slot_base(ep, a.mode, round);
     const int K = static_cast<int>(ep[P_TOP_K]), H = static_cast<int>(ep[P_HIDDEN]);
     const int rank = static_cast<int>(ep[P_RANK]);
     const long long T_max = ep[P_MAX_TOKENS];
@@ -156,6 +214,7 @@ __device__ void send_partials_ring(const EP& ep, const CombineArgs& a, const Sou
     struct Cursor {
         int item;
         long long mi;
+        int t, j;      // the message's token at its source, and this rank's partial slot for it
         int src;       // source rank of the message
         int row;       // lane < K: the message's row k = lane (-1: none)
         float w;
@@ -170,8 +229,11 @@ __device__ void send_partials_ring(const EP& ep, const CombineArgs& a, const Sou
         if (c.item >= total) return;
         c.src = s;
         c.mi = s * T_max + i;
+        c.t = a.msg_token[c.mi];  // independent of the rows: in flight with them
+        c.j = a.msg_j[c.mi];
         c.row = lane < K ? a.msg_rows[c.mi * K + lane] : -1;
-        c.w = c.row >= 0 ? a.row_weight[c.row] : 0.f;
+        const float w = lane < K ? msg_weights(ep, a.msg_rows)[c.mi * K + lane] : 0.f;  // in flight with the row
+        c.w = c.row >= 0 ? w : 0.f;
         c.mask = c.left = __ballot_sync(0xffffffffu, c.row >= 0);
         c.c_begin = c.c0 = ch * kChunkVecs;
         c.c_end = min(n_vec, (ch + 1) * kChunkVecs);
@@ -232,11 +294,19 @@ __device__ void send_partials_ring(const EP& ep, const CombineArgs& a, const Sou
         issue();
         cp_async_commit();
     }
+    CUEP_TRACE_LATEST(ep, lane == 0 && warp0 < total, 30);
+    if (!wait_ready()) {
+        cp_async_wait<0>();
+        return false;
+    }
     float acc_a[8] = {0, 0, 0, 0, 0, 0, 0, 0}, acc_b[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    bool first_piece = true;
     while (at.item < total) {
         issue();
         cp_async_commit();
         cp_async_wait<kCombineRing - 1>();  // this lane's copies of the piece `at` have landed
+        CUEP_TRACE_LATEST(ep, lane == 0 && first_piece, 31);
+        first_piece = false;
         int rk[4];
         float wk[4];
         piece_rows(at, rk, wk);
@@ -259,7 +329,7 @@ __device__ void send_partials_ring(const EP& ep, const CombineArgs& a, const Sou
             }
         }
         if (__popc(at.left) <= 4) {  // the slice's last piece: send its partial sums
-            const int t = a.msg_token[at.mi], j = a.msg_j[at.mi];
+            const int t = at.t, j = at.j + slots0;
 #ifdef CUEP_AB_COMBINE_LOCAL  // measurement knob only (wrong results): every partial to this rank's own buffer
             const int r = rank;
 #else
@@ -274,7 +344,8 @@ __device__ void send_partials_ring(const EP& ep, const CombineArgs& a, const Sou
             __syncwarp();
             if (lane == 0) {
                 bulk_store(dst + 8 * at.c0, stage, (min(at.c_end, at.c0 + 2 * kWarp) - at.c0) * 8 * int(sizeof(TC)));
-                if (at.c0 + 2 * kWarp >= at.c_end) arrivals.queue(arrived_counter(ep, r, t), at.c_end - at.c_begin);
+                if (at.c0 + 2 * kWarp >= at.c_end)
+                    arrivals.queue(arrived_counter(ep, r, round, t), at.c_end - at.c_begin);
             }
 #pragma unroll
             for (int i = 0; i < 8; ++i) acc_a[i] = acc_b[i] = 0.f;
@@ -283,6 +354,8 @@ __device__ void send_partials_ring(const EP& ep, const CombineArgs& a, const Sou
     }
     cp_async_wait<0>();
     if (lane == 0) arrivals.flush();
+    CUEP_TRACE_LATEST(ep, lane == 0 && warp0 < total, 11);
+    return true;
 }
 
 // The send phase of one of the first `send_blocks` blocks. Returns false if the wait for the destinations failed.
@@ -293,11 +366,34 @@ __device__ bool send_items(const EP& ep, const CombineArgs& a, int round, int se
     const long long T_max = ep[P_MAX_TOKENS];
     __shared__ int s_ok;
     const int n_dest = n_dest_ranks(ep);
+    // every destination lets round `round` in (phase_notify): "any" readiness, or parity-slot readiness
     const uint64_t* ready = reinterpret_cast<const uint64_t*>(ep.local(ep[P_OFF_COMB_READY])) + dest_rank(ep, 0);
+    const long long par_off = parity_slots(ep, a.mode) ? ep[P_N_RANKS] : 0;
     const uint64_t want = static_cast<uint64_t>(round) + 1;
-    if (!block_wait_flags(ready, n_dest, [want](uint64_t v) { return v >= want; }, ep, K_COMBINE_SEND, &s_ok))
-        return false;
-    CUEP_TRACE(ep, blockIdx.x == 0, 13);
+    auto wait_ready = [&]() {
+        if (threadIdx.x == 0) s_ok = 1;
+        __syncthreads();
+        if (threadIdx.x < n_dest) {
+            const uint64_t t0 = global_timer_ns();
+            while (load_acquire_u64(ready + threadIdx.x) < want &&
+                   load_acquire_u64(ready + par_off + threadIdx.x) < want) {
+                if (global_timer_ns() - t0 > static_cast<uint64_t>(ep[P_TIMEOUT_NS])) {
+                    report_error(ep, kStatusTimeout, K_COMBINE_SEND, -1, dest_rank(ep, threadIdx.x));
+                    s_ok = 0;
+                    break;
+                }
+                __nanosleep(64);
+            }
+        }
+        __syncthreads();
+        CUEP_TRACE(ep, blockIdx.x == 0, 13);
+        return s_ok != 0;
+    };
+    // the bf16 partial sums through the load ring wait for the destinations only once their loads are in flight
+    bool ring = false;
+    if constexpr (sizeof(TC) == 2 && kCombineRing > 1)
+        ring = a.mode == kPartial && dynamic_smem_bytes() >= unsigned(kCombineRingBytes);
+    if (!ring && !wait_ready()) return false;
 
     const TC* eo = static_cast<const TC*>(a.expert_out);
     const int n_vec = H / 8;
@@ -324,8 +420,9 @@ __device__ bool send_items(const EP& ep, const CombineArgs& a, int round, int se
         const SourceInterleave order{s_count, n_src, n_chunks, (rank + 1) % n_src, n_src * s_most * n_chunks};
         bool done = false;
         if constexpr (sizeof(TC) == 2 && kCombineRing > 1) {
-            if (dynamic_smem_bytes() >= unsigned(kCombineRingBytes)) {
-                send_partials_ring(ep, a, order, kChunkVecs, warp0, warp_stride, stage);
+            if (ring) {
+                if (!send_partials_ring(ep, a, round, order, kChunkVecs, warp0, warp_stride, stage, wait_ready))
+                    return false;
                 done = true;
             }
         }
@@ -335,9 +432,10 @@ __device__ bool send_items(const EP& ep, const CombineArgs& a, int round, int se
             if (!order.at(item, s, i, ch)) continue;
             const long long mi = s * T_max + i;
             const int row = lane < K ? a.msg_rows[mi * K + lane] : -1;
-            const float w = row >= 0 ? a.row_weight[row] : 0.f;
+            const float wk_all = lane < K ? msg_weights(ep, a.msg_rows)[mi * K + lane] : 0.f;
+            const float w = row >= 0 ? wk_all : 0.f;
             const unsigned rows_mask = __ballot_sync(0xffffffffu, row >= 0);
-            const int t = a.msg_token[mi], j = a.msg_j[mi];
+            const int t = a.msg_token[mi], j = a.msg_j[mi] + slot_base(ep, a.mode, round);
 #ifdef CUEP_AB_COMBINE_LOCAL  // measurement knob only (wrong results): every partial to this rank's own buffer
             const int r = rank;
 #else
@@ -393,7 +491,8 @@ __device__ bool send_items(const EP& ep, const CombineArgs& a, int round, int se
                 __syncwarp();
                 if (lane == 0) {
                     bulk_store(dst + 8 * c0, stage, (min(c_end, c0 + 2 * kWarp) - c0) * 8 * int(sizeof(TC)));
-                    if (c0 + 2 * kWarp >= c_end) arrivals.queue(arrived_counter(ep, r, t), c_end - ch * kChunkVecs);
+                    if (c0 + 2 * kWarp >= c_end)
+                        arrivals.queue(arrived_counter(ep, r, round, t), c_end - ch * kChunkVecs);
                 }
             }
         }
@@ -415,7 +514,7 @@ __device__ bool send_items(const EP& ep, const CombineArgs& a, int round, int se
             __syncwarp();  // every lane's stores before lane 0's fence and count
             if (lane == 0) {
                 __threadfence_system();
-                red_add_release_sys(arrived_counter(ep, src, t), static_cast<int>(n / 8));
+                red_add_release_sys(arrived_counter(ep, src, round, t), static_cast<int>(n / 8));
             }
         }
     }
@@ -431,13 +530,25 @@ __device__ void phase_send(const EP& ep, const CombineArgs& a, int round, int se
     CUEP_TRACE_LATEST(ep, threadIdx.x == 0, 15);
 }
 
+// The receive item of this warp when the items (token, chunk) are no more than the grid's warps: item w for warp
+// w = warp * grid + block, -1 if it has none; -2 when there are more items than warps (claimed dynamically).
+__device__ __forceinline__ int recv_static_item(const CombineArgs& a, int n_vec) {
+    const long long warps = static_cast<long long>(gridDim.x) * (blockDim.x / kWarp);
+    const int kChunkVecs = static_cast<int>(chunk_units(a.num_tokens, n_vec, kWarp));
+    const long long items = static_cast<long long>(a.num_tokens) * ((n_vec + kChunkVecs - 1) / kChunkVecs);
+    if (items > warps) return -2;
+    const long long w = static_cast<long long>(threadIdx.x / kWarp) * gridDim.x + blockIdx.x;
+    return w < items ? static_cast<int>(w) : -1;
+}
+
 template <typename TC>
-__device__ void phase_recv(const EP& ep, const CombineArgs& a, int* s_flag) {
+__device__ void phase_recv(const EP& ep, const CombineArgs& a, int round, int* s_flag) {
     const int K = static_cast<int>(ep[P_TOP_K]), H = static_cast<int>(ep[P_HIDDEN]);
     const int L = static_cast<int>(ep[P_N_LOCAL]);
     const bool shared = ep[P_SHARED] != 0;
     int* ctr = ep.counters();
-    int* arrived = reinterpret_cast<int*>(ep.local(ep[P_OFF_COMB_ARRIVED]));
+    int* arrived = arrived_base(ep, static_cast<int>(ep[P_RANK]), round);
+    const int slots0 = slot_base(ep, a.mode, round);
     const TC* recv = reinterpret_cast<const TC*>(ep.local(ep[P_OFF_COMB_RECV]));
     const TC* eo = static_cast<const TC*>(a.expert_out);
     const TC* res = static_cast<const TC*>(a.residual);
@@ -450,11 +561,17 @@ __device__ void phase_recv(const EP& ep, const CombineArgs& a, int* s_flag) {
     // early, or receive-only blocks, take whatever is next.
     const int kChunkVecs = static_cast<int>(chunk_units(a.num_tokens, n_vec, kWarp));
     const int n_chunks = (n_vec + kChunkVecs - 1) / kChunkVecs;
-    int* next_item = ctr + C_CRECV_ITEM;
-    auto claim = [&]() { return __shfl_sync(0xffffffffu, lane == 0 ? atomicAdd(next_item, 1) : 0, 0); };
+    // When every item has a warp of its own (decode), warp w takes item w (recv_static_item): no claim atomics, a
+    // thousand of which on one address came all at once when the send half ended.
+    const int static_item = recv_static_item(a, n_vec);
+    int* next_item = ctr + C_CRECV_ITEM + (round & 1);  // notify re-arms the other one
+    auto claim = [&](int prev) {
+        if (static_item >= -1) return prev == -2 ? static_item : a.num_tokens * n_chunks;  // one item, then done
+        return __shfl_sync(0xffffffffu, lane == 0 ? atomicAdd(next_item, 1) : 0, 0);
+    };
     (void)n_warps;
     bool ok = true;
-    for (int item = claim(); item < a.num_tokens * n_chunks; item = claim()) {
+    for (int item = claim(-2); item >= 0 && item < a.num_tokens * n_chunks; item = claim(item)) {
         const int t = item / n_chunks, ch = item % n_chunks;
         const int c_begin = ch * kChunkVecs, c_end = min(n_vec, c_begin + kChunkVecs);
         const int e = lane < K ? a.topk_ids[static_cast<long long>(t) * K + lane] : -1;
@@ -475,11 +592,12 @@ __device__ void phase_recv(const EP& ep, const CombineArgs& a, int* s_flag) {
         // Wait until every slot of the token has landed: each is n_vec vectors (partials: one slot per
         // destination rank; rows: one per valid choice).
         const int n_slots = a.mode == kPartial ? n_partials : __popc(valid_mask);
-        if (!warp_wait_tag(arrived + t, n_slots * n_vec, ep, K_COMBINE_RECV, -1, lane)) {
+        if (!warp_wait_tag(arrived + static_cast<long long>(t) * kArrivedStride, n_slots * n_vec, ep, K_COMBINE_RECV, -1,
+                           lane)) {
             ok = false;
             break;
         }
-        const TC* slots = recv + static_cast<long long>(t) * K * H;
+        const TC* slots = recv + (static_cast<long long>(t) * K + slots0) * H;
         if (a.mode == kUnreduced) {
             const int width = K + (shared ? 1 : 0);
             TC* o = out + static_cast<long long>(t) * width * H;
@@ -540,20 +658,19 @@ __device__ void phase_recv(const EP& ep, const CombineArgs& a, int* s_flag) {
     }
     if (!ok) return;
     CUEP_TRACE(ep, blockIdx.x == gridDim.x - 1, 16);
-    // Last block: re-arm the arrival counts (every sender of this round is done with them: each token's count
-    // was complete) and the item counter.
+    CUEP_TRACE_LATEST(ep, threadIdx.x == 0, 20);
+    // Parity slots: the next round was let in at this round's start (phase_notify); nothing to count.
+    if (parity_slots(ep, a.mode)) return;
+    // Last block: every slot has been read, so every sender may send the next round now: it finds the flag long
+    // there when its combine starts, instead of waiting an NVLink round trip for the next launch's notify (2 us of
+    // a 2-GPU decode combine). (This round's arrival counts and item counter are re-armed by the next round's
+    // notify, one round ahead of their next use.)
     if (!last_block_done(ctr + C_DONE_CRECV, s_flag, /*peer_writes=*/false)) return;
-    for (int t = threadIdx.x; t < a.num_tokens; t += blockDim.x) arrived[t] = 0;
-    const int rounds_done = ctr[C_CRECV_ROUND] + 1;
-    __syncthreads();  // every re-arming store before the flags below (release, cumulative over the barrier)
     if (threadIdx.x == 0) {
         ctr[C_DONE_CRECV] = 0;
-        ctr[C_CRECV_ITEM] = 0;
-        ctr[C_CRECV_ROUND] = rounds_done;
+        ctr[C_CREADY] = round + 2;
     }
-    // Every sender may send the next round now: it finds the flag long there when its combine starts, instead of
-    // waiting an NVLink round trip for the next launch's notify (2 us of a 2-GPU decode combine).
-    publish_ready(ep, rounds_done);
+    publish_ready(ep, round + 2, false);
     CUEP_TRACE(ep, true, 17);
 }
 
@@ -566,10 +683,20 @@ __device__ void combine_kernel(const EPParams& params, const CombineArgs& a, int
     // the error flag and the round in one load per block (as in dispatch_kernel)
     const EntryCounters entry = load_entry_counters(ep);
     if (entry.status == kStatusTimeout) return;
-    const int round = entry.comb_round;
+    const int round = entry.comb_round, recv_round = entry.crecv_round;
     const int entered = count_entry(ep, C_ENTER_COMBINE);
     CUEP_TRACE(ep, blockIdx.x == 0, 12);
-    if (phases & kPhaseNotify) phase_notify(ep, round);
+    if (phases & kPhaseNotify) phase_notify(ep, round, a.mode, (phases & kPhaseSend) != 0);
+    if ((phases & kPhaseRecv) && (phases & kPhaseSend) && threadIdx.x % kWarp < static_cast<unsigned>(ep[P_TOP_K])) {
+        // the receive item's top-k row into L2 now, so the receive half does not start with a cold load
+        const int n_vec = static_cast<int>(ep[P_HIDDEN] / 8), item = recv_static_item(a, n_vec);
+        if (item >= 0) {
+            const int kChunkVecs = static_cast<int>(chunk_units(a.num_tokens, n_vec, kWarp));
+            const int t = item / ((n_vec + kChunkVecs - 1) / kChunkVecs);
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(a.topk_ids + static_cast<long long>(t) * ep[P_TOP_K] +
+                                                         threadIdx.x % kWarp));
+        }
+    }
     // In one fused launch a share of the blocks only receive, so the sums overlap the incoming stream
     // (CUEP_COMBINE_RECV_BLOCK_DIV: 1 / share of receive-only blocks; 0 = every block sends first).
     // 4 x H200, N = 4096 bf16: 0: 535 us, 8: 547, 4: 537, 2: 571 (blocks done sending take up the receiving).
@@ -577,9 +704,13 @@ __device__ void combine_kernel(const EPParams& params, const CombineArgs& a, int
 #define CUEP_COMBINE_RECV_BLOCK_DIV 0
 #endif
     if (phases & kPhaseSend) phase_send<TC>(ep, a, round, send_block_count(phases, CUEP_COMBINE_RECV_BLOCK_DIV));
-    if (phases & kPhaseRecv) phase_recv<TC>(ep, a, &s_flag);
-    // The block that entered last advances the send round (the receive half's last block counts its own rounds).
-    if (last_to_enter(ep, C_ENTER_COMBINE, entered) && (phases & kPhaseSend)) ep.counters()[C_COMB_ROUND] = round + 1;
+    if ((phases & kPhaseNotify) && (phases & kPhaseSend) && blockIdx.x == 0) publish_parity_ready(ep, round, a.mode);
+    if (phases & kPhaseRecv) phase_recv<TC>(ep, a, recv_round, &s_flag);
+    // The block that entered last advances the rounds of the phases this launch ran.
+    if (last_to_enter(ep, C_ENTER_COMBINE, entered)) {
+        if (phases & kPhaseSend) ep.counters()[C_COMB_ROUND] = round + 1;
+        if (phases & kPhaseRecv) ep.counters()[C_CRECV_COUNT] = recv_round + 1;
+    }
 }
 
 #define CUEP_COMBINE(NAME, TC)                                                                               \

@@ -45,7 +45,7 @@ struct DispatchArgs {
     int* src_info;              // [capacity, 2]
     int* row_src;               // [capacity] source rank of each row, -1 for padding
     float* row_weight;          // [capacity]
-    int* msg_rows;              // [n_src, T, K]
+    int* msg_rows;              // [n_src, T, K] rows, then [n_src, T, K] their weights (msg_weights)
     int* msg_token;             // [n_src, T]
     int* msg_j;                 // [n_src, T] my position among the token's destination ranks
     int* msg_count;             // [n_src]
@@ -1042,7 +1042,10 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
             a.src_info[2LL * row] = t;
             a.src_info[2LL * row + 1] = lane;
             a.row_src[row] = src_rank;
-            if (!staged) a.row_weight[row] = w;  // staged: the weight rides with the payload (below)
+            if (!staged) {  // staged: the weight rides with the payload (below)
+                a.row_weight[row] = w;
+                msg_weights(ep, a.msg_rows)[mi * K + lane] = w;
+            }
         }
         // My position among the token's destination ranks in top-k order (its partial-sum slot in combine):
         // the number of distinct ranks of valid choices whose first choice comes before mine. All lanes shuffle.
@@ -1064,7 +1067,11 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
         }
         if (staged) {
             if (!wait_payload()) break;
-            if (lane < K && row >= 0) a.row_weight[row] = reinterpret_cast<const float*>(meta + ep[P_META_W])[lane];
+            if (lane < K && row >= 0) {
+                const float wm = reinterpret_cast<const float*>(meta + ep[P_META_W])[lane];
+                a.row_weight[row] = wm;
+                msg_weights(ep, a.msg_rows)[mi * K + lane] = wm;
+            }
         }
         while (local) {
             const int k = __ffs(local) - 1;

@@ -66,18 +66,19 @@ struct EPParams {
 // Private int32 counters (offsets into the counters region).
 enum Counter : int {
     C_SMALL_TALLY = 0,    // round + 1 once block 0 issued a small round's tally and book stores (kKnobTallyWait)
-    C_CRECV_ROUND = 1,    // combine receive rounds completed
+    C_CREADY = 1,         // the last "any" combine readiness value this rank published (combine.cu)
     C_ENTER_DISPATCH = 2, // blocks of the running dispatch kernel that read the rounds (count_entry); 4-7: unused
     C_ENTER_COMBINE = 3,  // the same for combine
     C_DISP_ROUND = 8,     // dispatch send rounds completed
     C_RECV_ROUND = 9,     // dispatch receive rounds completed
     C_COMB_ROUND = 10,    // combine send rounds completed
     C_ERROR = 11,         // nonzero once any kernel of this rank reported an error (first one wins)
-    C_DONE_NOTIFY = 12,   // blocks done with a phase (last one finishes the phase and resets it); 13, 15: unused
+    C_DONE_NOTIFY = 12,   // blocks done with a phase (last one finishes the phase and resets it)
+    C_CRECV_COUNT = 13,   // combine receive rounds completed; 15: unused
     C_DONE_RECV = 14,
     C_DONE_CRECV = 16,
     C_RECV_ITEM = 17,     // next receive work item to claim (dispatch receive phase)
-    C_CRECV_ITEM = 18,    // next receive work item to claim (combine receive phase)
+    C_CRECV_ITEM = 18,    // [2] next receive work item to claim (combine receive phase), by round parity
     C_HIST = 32,          // [E] this round's expert histogram (atomics on it also reserve each choice's slot)
 };
 
@@ -183,23 +184,27 @@ constexpr uint64_t kFailCheckNs = 1000;
 // memory. (Every thread loading them, 67K loads of one line, took 3 us of every EP kernel: a dispatch with no phase
 // ran 7.5 us event to event on 2 x H200, an empty kernel of the same grid 4.5.) All threads; ends with a barrier.
 struct EntryCounters {
-    int disp_round, recv_round, comb_round, status;
+    int disp_round, recv_round, comb_round, status, crecv_round;
 };
 static_assert(C_RECV_ROUND == C_DISP_ROUND + 1 && C_COMB_ROUND == C_DISP_ROUND + 2 && C_ERROR == C_DISP_ROUND + 3 &&
-                  C_DISP_ROUND % 4 == 0,
-              "the entry counters are one aligned int4");
+                  C_CRECV_COUNT == C_DISP_ROUND + 5 && C_DISP_ROUND % 4 == 0,
+              "the entry counters are two aligned int4");
 __device__ __forceinline__ EntryCounters load_entry_counters(const EP& ep) {
-    __shared__ int4 s_entry;
+    __shared__ int4 s_entry[2];
     if (threadIdx.x == 0) {
-        int4 v;
+        int4 v, w;
         asm volatile("ld.volatile.global.v4.s32 {%0, %1, %2, %3}, [%4];"
                      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                      : "l"(ep.counters() + C_DISP_ROUND));
-        s_entry = v;
+        asm volatile("ld.volatile.global.v4.s32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w)
+                     : "l"(ep.counters() + C_DISP_ROUND + 4));
+        s_entry[0] = v;
+        s_entry[1] = w;
     }
     __syncthreads();
-    const int4 v = s_entry;
-    return {v.x, v.y, v.z, v.w};
+    const int4 v = s_entry[0], w = s_entry[1];
+    return {v.x, v.y, v.z, v.w, w.y};
 }
 
 // Split each of `items` rows of `unit_count` units into chunks so the grid's warps all get work: one chunk per
@@ -339,6 +344,16 @@ __device__ __forceinline__ bool block_wait_not_empty(const uint64_t* flags, int 
     }
     __syncthreads();
     return *s_ok != 0;
+}
+
+// msg_rows [n_src, T, K] (the row of each message's choice k, -1 if none here) is followed by the router weight of
+// each of those choices (float, same shape), so combine reads a message's rows and weights together instead of the
+// weight behind the row (row_weight[row]: one more dependent load before a decode combine's first expert row).
+__device__ __forceinline__ float* msg_weights(const EP& ep, int* msg_rows) {
+    return reinterpret_cast<float*>(msg_rows + ep[P_N_SRC] * ep[P_MAX_TOKENS] * ep[P_TOP_K]);
+}
+__device__ __forceinline__ const float* msg_weights(const EP& ep, const int* msg_rows) {
+    return reinterpret_cast<const float*>(msg_rows + ep[P_N_SRC] * ep[P_MAX_TOKENS] * ep[P_TOP_K]);
 }
 
 // Is top-k choice k of this token a valid expert for this call (in range, not a repeat; with skip_a2a, local)?
