@@ -107,6 +107,22 @@ def test_small_batch_tokens_default_and_staging_region():
         EPConfig(**{**STD, "n_experts": 1024, "small_batch_tokens": 544})
 
 
+def test_combine_regions_hold_two_parities():
+    """comb_ready is uint64 [2, R] ("any" and parity-slot readiness from each rank); comb_arrived is int32
+    [2 parities, T, 32] (one arrival counter per 128-byte line), which must hold the stride combine.cu uses."""
+    from pathlib import Path
+
+    cfg = EPConfig(**STD)
+    regions = cfg.buffer_regions
+    assert regions["comb_ready"][1] == 8 * 2 * cfg.n_ranks
+    assert regions["comb_arrived"][1] == 4 * 2 * cfg.max_tokens_per_rank * 32
+    src = (Path(__file__).resolve().parents[1] / "cuep" / "cuda_src" / "combine.cu").read_text()
+    stride = int(re.search(r"#define CUEP_ARRIVED_STRIDE (\d+)", src).group(1))
+    assert 1 <= stride <= 32
+    # every region starts on a 256-byte boundary, so each token's counter line is aligned
+    assert all(off % 256 == 0 for off, _ in regions.values())
+
+
 def test_memory_at_standard_shape_is_small():
     """The spec's receive layout needs ~15 GB at this shape; ours sizes by what can arrive."""
     cfg = EPConfig(**STD)

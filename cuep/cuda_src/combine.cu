@@ -1,18 +1,20 @@
 // cuep combine: expert outputs go back to the ranks their tokens came from and are summed with the router weights.
 //
 // One kernel, three phases (bits of `phases`, as in dispatch.cu):
-//   notify  tell every rank this rank may now receive its combine data (its previous combine is fully read)
+//   notify  re-arm the other round parity's arrival counts, and tell every rank which rounds it may now send
+//           here (see "readiness" below: partial sums in parity slots may come one round ahead)
 //   send    wait until every destination is ready, then, by mode:
 //             kPartial    (weights rode along at dispatch) one float32-accumulated partial sum per (token,
-//                         destination rank) over this rank's experts, into slot j of the source's comb_recv[t],
-//                         j = this rank's position among the token's destination ranks
+//                         destination rank) over this rank's experts, into slot j of the source's comb_recv[t]
+//                         (plus ranks x (round & 1) in parity slots), j = this rank's position among the token's
+//                         destination ranks
 //             kWeighted / kUnreduced  one row per (token, k) into slot k
 //           every piece of data, once its stores are complete, adds its 16-byte vector count to the destination's
-//           comb_arrived[t]
+//           comb_arrived[round & 1][t]
 //   recv    tokens in order, each as soon as its comb_arrived count says all its slots have landed (so in a fused
 //           launch the sums overlap the incoming stream): out[t] = the sum of the slots (weighted by
 //           topk_weights in kWeighted), plus the shared expert's row and the residual; or the unreduced
-//           [N, K(+1), H]. The last block re-arms comb_arrived.
+//           [N, K(+1), H]. Outside parity slots the last block then lets the next round in.
 #include "ep.cuh"
 #include "formats.cuh"
 
