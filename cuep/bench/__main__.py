@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", nargs="+", default=None, help="CUDA device ids (default: all visible)")
     p.add_argument("--small-batch-tokens", type=int, default=None, metavar="N",
                    help="cuep's EPConfig.small_batch_tokens: rounds of at most N tokens per rank take the staged "
-                        "(decode) protocol; 0: never (default: the EPConfig default, min(N of the case, 128))")
+                        "(decode) protocol; 0: never (default: the EPConfig default, min(N of the case, 256))")
     p.add_argument("--ceiling-mib", type=int, default=None, help="copy size of the ceiling measurements (default 1024)")
     p.add_argument("--no-nccl", action="store_true", help="skip the NCCL baseline")
     p.add_argument("--no-ceilings", action="store_true", help="skip the copy ceilings")
