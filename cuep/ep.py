@@ -29,6 +29,8 @@ from .buffer import Buffer
 from .formats import GLOBAL_SCALE_MAX, GLOBAL_SCALE_MIN
 
 PHASE_NOTIFY, PHASE_SEND, PHASE_RECV = 1, 2, 4
+# with PHASE_SEND | PHASE_RECV in one call: a small bf16 round's local tokens go from x to their rows, unstaged
+PHASE_LOCAL_X = 8
 MODE_PARTIAL, MODE_WEIGHTED, MODE_UNREDUCED = 0, 1, 2
 _THREADS = 512
 _NULL = np.uint64(0)
@@ -303,6 +305,8 @@ def _dispatch(buf: Buffer, x, topk_ids, topk_weights, global_scale: float, phase
             tokens=r.tokens, scales=r.scales, row_offsets=r.row_offsets, expert_ids=r.expert_ids,
             src_info=r.src_info, scales_offsets=r.scales_offsets, rank=r.rank, num_tokens=int(xs[i].shape[0]),
             _topk_ids=ids[i], _has_weights=ws[i] is not None, _buffer=buf))
+    # every launch of a call that sends and receives says so, so a rank's send and receive phases agree on it
+    local_x = PHASE_LOCAL_X if (phases & PHASE_SEND and phases & PHASE_RECV) else 0
     for i, ph in _launch_order(buf, phases):
         r = buf._ranks[i]
         with cupy.cuda.Device(r.device):
@@ -314,7 +318,7 @@ def _dispatch(buf: Buffer, x, topk_ids, topk_weights, global_scale: float, phase
             args = (r.params, xs[i], ids[i], ws[i] if ws[i] is not None else _NULL, np.int32(xs[i].shape[0]),
                     np.float32(global_scale), sc if sc is not None else _NULL, r.row_offsets, r.expert_ids,
                     r.scales_offsets if r.scales_offsets is not None else _NULL, r.src_info, r.row_src,
-                    r.row_weight, r.msg_rows, r.msg_token, r.msg_j, r.msg_count, np.int32(ph | _KNOBS))
+                    r.row_weight, r.msg_rows, r.msg_token, r.msg_j, r.msg_count, np.int32(ph | local_x | _KNOBS))
             fn((_blocks(buf, threads),), (threads,), args, shared_mem=smem)
     return results
 
@@ -453,7 +457,7 @@ def _combine(buf: Buffer, expert_out, dispatched, topk_weights, residual, phases
             args = (r.params, eos[i], r.src_info, r.row_src, r.row_weight, r.msg_rows, r.msg_token, r.msg_j,
                     r.msg_count, r.row_offsets, d._topk_ids, ws[i] if ws[i] is not None else _NULL,
                     res[i] if res[i] is not None else _NULL, outs[i], np.int32(d.num_tokens), np.int32(modes[i]),
-                    np.int32(ph))
+                    np.int32(ph | _KNOBS))
             fn((_blocks(buf, _THREADS),), (_THREADS,), args, shared_mem=smem)
     return outs
 

@@ -5,7 +5,7 @@ of kernels that return at once, varied one property at a time: the grid (1 block
 the dynamic shared memory (0, 19 KiB as a decode dispatch, 128 KiB as the bf16 combine's ring), a 352-byte
 `__grid_constant__` parameter block (as EPParams); then the dispatch and combine kernels with no phase.
 
-Usage: python scripts/launch_probe.py [--repeats 30]
+Usage: python scripts/launch_probe.py [--repeats 30] [--ep-only] (--ep-only: the dispatch and combine rows only)
 """
 import argparse
 
@@ -32,6 +32,7 @@ extern "C" __global__ void probe_param(const __grid_constant__ Params p, int* ou
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--ep-only", action="store_true", help="only the dispatch and combine kernels (A/B runs)")
     a = p.parse_args()
     g = cuep.init()
     devs = list(g.devices)
@@ -60,7 +61,7 @@ def main():
         return run
 
     rows = []
-    for label, fn in (
+    for label, fn in () if a.ep_only else (
             ("empty, 1 block x 32", launcher("probe_empty", 1, 32)),
             (f"empty, {n_sm} x 512", launcher("probe_empty", n_sm, 512)),
             (f"{n_sm} x 512, 19 KiB dynamic smem", launcher("probe_smem", n_sm, 512, 19 * 1024)),

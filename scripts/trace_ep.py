@@ -28,7 +28,7 @@ POINTS = {
     27: "recv: last block counted (before re-arming)",
     12: "combine entry (block 0)", 13: "send: destinations ready (block 0)", 14: "send: block 0's items done",
     30: "send: latest warp's first rows issued", 31: "send: latest warp's first rows landed",
-    11: "send: latest warp's partials arrived (posted)", 15: "send: latest block done", 16: "recv: last block's tokens done", 20: "recv: latest block's tokens done",
+    11: "send: latest warp's partials arrived (posted)", 6: "recv: latest warp's arrival count seen", 15: "send: latest block done", 16: "recv: last block's tokens done", 20: "recv: latest block's tokens done",
     17: "recv: last block published readiness (not in parity slots)",
 }
 
@@ -78,7 +78,7 @@ def main():
     gate.close()
     print(f"{g.n_ranks} GPUs, N={a.tokens}, {a.format}: median us after the kernel's first point, per rank")
     print(f"{'point':45s}" + "".join(f"  rank {r.rank:d}" for r in buf._ranks))
-    for op, first, pts in (("d", 0, [0, 18, 19, 21, 1, 22] + [2, 3, 4, 28, 5, 23, 7, 29, 24, 8, 25, 9, 26, 27, 10]), ("c", 12, [12, 13, 30, 31, 14, 11, 15, 16, 20, 17])):
+    for op, first, pts in (("d", 0, [0, 18, 19, 21, 1, 22] + [2, 3, 4, 28, 5, 23, 7, 29, 24, 8, 25, 9, 26, 27, 10]), ("c", 12, [12, 13, 30, 31, 14, 11, 15, 6, 16, 20, 17])):
         for k in pts:
             row = []
             for r in buf._ranks:

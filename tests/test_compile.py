@@ -106,10 +106,17 @@ def test_phase_and_knob_bits_are_apart():
 
     c = _cuh_constants((_kernels.SRC_DIR / "ep.cuh").read_text())
     value = lambda s: eval(s, {})  # noqa: E731  ("1 << 8" and plain integers)
-    assert (value(c["kPhaseNotify"]), value(c["kPhaseSend"]), value(c["kPhaseRecv"])) == (
-        ep.PHASE_NOTIFY, ep.PHASE_SEND, ep.PHASE_RECV)
+    assert (value(c["kPhaseNotify"]), value(c["kPhaseSend"]), value(c["kPhaseRecv"]), value(c["kPhaseLocalX"])) == (
+        ep.PHASE_NOTIFY, ep.PHASE_SEND, ep.PHASE_RECV, ep.PHASE_LOCAL_X)
     knobs = {k: value(v) for k, v in c.items() if k.startswith("kKnob")}
     assert knobs and all(v >= 8 for v in knobs.values()), knobs  # a shift, or a bit of 0x100 and up
+    bits = [value(c[k]) for k in ("kPhaseNotify", "kPhaseSend", "kPhaseRecv", "kPhaseLocalX")]
+    assert sum(bits) == 15 and all(b < 0x100 for b in bits)  # four distinct bits of the low byte
+    masks = [v for k, v in knobs.items() if not k.endswith("Shift")]
+    assert len(set(masks)) == len(masks) and all(m & (m - 1) == 0 and m >= 0x100 for m in masks), knobs
+    # the share (bits 10-14) and poll (16-18) fields hold none of the single-bit knobs
+    fields = (0x1F << value(c["kKnobSmallSendShift"])) | (0x7 << value(c["kKnobPollShift"]))
+    assert not any(m & fields for m in masks), knobs
 
 
 def test_param_block_matches_header():

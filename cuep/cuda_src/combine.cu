@@ -361,8 +361,9 @@ __device__ bool send_partials_ring(const EP& ep, const CombineArgs& a, int round
 }
 
 // The send phase of one of the first `send_blocks` blocks. Returns false if the wait for the destinations failed.
+// `early_count`: msg_count as loaded at kernel entry (combine_kernel), or nullptr.
 template <typename TC>
-__device__ bool send_items(const EP& ep, const CombineArgs& a, int round, int send_blocks) {
+__device__ bool send_items(const EP& ep, const CombineArgs& a, int round, int send_blocks, const int* early_count) {
     const int K = static_cast<int>(ep[P_TOP_K]), H = static_cast<int>(ep[P_HIDDEN]);
     const int rank = static_cast<int>(ep[P_RANK]), n_src = static_cast<int>(ep[P_N_SRC]);
     const long long T_max = ep[P_MAX_TOKENS];
@@ -406,7 +407,7 @@ __device__ bool send_items(const EP& ep, const CombineArgs& a, int round, int se
         if (threadIdx.x == 0) {
             s_total = s_most = 0;
             for (int s = 0; s < n_src; ++s) {
-                s_count[s] = a.msg_count[s];
+                s_count[s] = early_count ? early_count[s] : a.msg_count[s];
                 s_total += s_count[s];
                 s_most = max(s_most, s_count[s]);
             }
@@ -526,8 +527,8 @@ __device__ bool send_items(const EP& ep, const CombineArgs& a, int round, int se
 // send: the first `send_blocks` blocks move the data (in a fused launch the others go straight to receiving).
 // No end-of-phase count: the block that entered the kernel last advances the round (combine_kernel).
 template <typename TC>
-__device__ void phase_send(const EP& ep, const CombineArgs& a, int round, int send_blocks) {
-    if (static_cast<int>(blockIdx.x) < send_blocks && !send_items<TC>(ep, a, round, send_blocks)) return;
+__device__ void phase_send(const EP& ep, const CombineArgs& a, int round, int send_blocks, const int* early_count) {
+    if (static_cast<int>(blockIdx.x) < send_blocks && !send_items<TC>(ep, a, round, send_blocks, early_count)) return;
     CUEP_TRACE(ep, blockIdx.x == 0, 14);
     CUEP_TRACE_LATEST(ep, threadIdx.x == 0, 15);
 }
@@ -599,6 +600,7 @@ __device__ void phase_recv(const EP& ep, const CombineArgs& a, int round, int* s
             ok = false;
             break;
         }
+        CUEP_TRACE_LATEST(ep, lane == 0, 6);
         const TC* slots = recv + (static_cast<long long>(t) * K + slots0) * H;
         if (a.mode == kUnreduced) {
             const int width = K + (shared ? 1 : 0);
@@ -682,6 +684,12 @@ template <typename TC>
 __device__ void combine_kernel(const EPParams& params, const CombineArgs& a, int phases) {
     __shared__ int s_flag;
     const EP ep{params.v};
+    // The message counts, loaded by warp 1 while thread 0 loads the entry counters (the barrier in
+    // load_entry_counters publishes them): the partial sums' first rows depend on them.
+    __shared__ int s_early_count[kMaxRanks];
+    const bool early = (phases & kPhaseSend) && !(phases & kKnobNoEarlyLoads);
+    if (early && threadIdx.x >= kWarp && threadIdx.x < kWarp + ep[P_N_SRC])
+        s_early_count[threadIdx.x - kWarp] = a.msg_count[threadIdx.x - kWarp];
     // the error flag and the round in one load per block (as in dispatch_kernel)
     const EntryCounters entry = load_entry_counters(ep);
     if (entry.status == kStatusTimeout) return;
@@ -705,7 +713,9 @@ __device__ void combine_kernel(const EPParams& params, const CombineArgs& a, int
 #ifndef CUEP_COMBINE_RECV_BLOCK_DIV
 #define CUEP_COMBINE_RECV_BLOCK_DIV 0
 #endif
-    if (phases & kPhaseSend) phase_send<TC>(ep, a, round, send_block_count(phases, CUEP_COMBINE_RECV_BLOCK_DIV));
+    if (phases & kPhaseSend)
+        phase_send<TC>(ep, a, round, send_block_count(phases, CUEP_COMBINE_RECV_BLOCK_DIV),
+                       early ? s_early_count : nullptr);
     if ((phases & kPhaseNotify) && (phases & kPhaseSend) && blockIdx.x == 0) publish_parity_ready(ep, round, a.mode);
     if (phases & kPhaseRecv) phase_recv<TC>(ep, a, recv_round, &s_flag);
     // The block that entered last advances the rounds of the phases this launch ran.

@@ -527,7 +527,20 @@ __device__ void publish_small_book(const EP& ep, const DispatchArgs& a, int roun
 
 // A small round may write into a destination once it has finished the round before last (whose staging parity
 // and tally row this round reuses): its tally row of the previous round is here (stamp >= round). All threads.
-__device__ __forceinline__ bool small_round_ready(const EP& ep, int round, int* s_ok) {
+// `early`: the rows' first entries of both parities ([parity][source], acquired at kernel entry beside the entry
+// counters' load, dispatch_kernel), or nullptr: when they already say so there is nothing to wait for (the usual
+// case: a fused round's receive read those very rows), which saves a dependent L2 round trip before the first store.
+__device__ __forceinline__ bool small_round_ready(const EP& ep, int round, int* s_ok, const uint64_t* early) {
+    if (early) {
+        const int n_src = static_cast<int>(ep[P_N_SRC]);
+        bool ready = true;
+        for (int s = 0; s < n_src; ++s)
+            ready = ready && (early[((round + 1) & 1) * n_src + s] >> 32) >= static_cast<uint64_t>(round);
+        if (ready) {
+            if (threadIdx.x == 0) *s_ok = 1;  // as block_wait_flags leaves it (the caller syncs before reading it)
+            return true;
+        }
+    }
     const uint64_t* rows = tally_row(ep, static_cast<int>(ep[P_RANK]), (round + 1) & 1, 0);
     return block_wait_flags(rows, static_cast<int>(ep[P_N_SRC]),
                             [round](uint64_t v) { return (v >> 32) >= static_cast<uint64_t>(round); }, ep,
@@ -545,7 +558,8 @@ __device__ __forceinline__ int* scratch_rank_masks(const EP& ep) { return scratc
 
 // notify: one thread per (token, k). Reserve every slot with an atomic (the histogram is the slot counter),
 // then the last block publishes the histogram to every destination with the round's flag.
-__device__ void phase_notify(const EP& ep, const DispatchArgs& a, int round, int* s_flag, char* smem) {
+__device__ void phase_notify(const EP& ep, const DispatchArgs& a, int round, int* s_flag, char* smem,
+                             const uint64_t* early_ready) {
     const int E = static_cast<int>(ep[P_N_EXPERTS]), K = static_cast<int>(ep[P_TOP_K]);
     const int L = static_cast<int>(ep[P_N_LOCAL]);
     int* ctr = ep.counters();
@@ -562,7 +576,7 @@ __device__ void phase_notify(const EP& ep, const DispatchArgs& a, int round, int
         const SmallBook book = small_book(ep, smem);
         small_bookkeeping(ep, a, book, /*report=*/true);  // writes nothing outside the block: before the wait
         CUEP_TRACE(ep, true, 1);
-        if (!small_round_ready(ep, round, &s_ok)) return;
+        if (!small_round_ready(ep, round, &s_ok, early_ready)) return;
         CUEP_TRACE(ep, true, 22);
         int n_msgs[8];
 #pragma unroll
@@ -625,7 +639,7 @@ __device__ void phase_notify(const EP& ep, const DispatchArgs& a, int round, int
 // straight from x for bf16) and store it to each destination rank it goes to.
 template <int FMT, typename T>
 __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char* smem, int send_blocks,
-                           bool book_ready, int knobs) {
+                           bool book_ready, bool local_from_x, const uint64_t* early_ready, int knobs) {
     const int E = static_cast<int>(ep[P_N_EXPERTS]), K = static_cast<int>(ep[P_TOP_K]);
     const int L = static_cast<int>(ep[P_N_LOCAL]), H = static_cast<int>(ep[P_HIDDEN]);
     const int R = static_cast<int>(ep[P_N_RANKS]), rank = static_cast<int>(ep[P_RANK]);
@@ -654,12 +668,30 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
     const long long staging = align_up(pb) + align_up(sb);
     uint8_t* s_payload = reinterpret_cast<uint8_t*>(smem + fixed) + warp * staging;
     uint8_t* s_scales = s_payload + align_up(pb);
+    // Items (token, chunk of whole 256-value spans): see 2. below.
+    const int n_spans = (H + kWarpSpan - 1) / kWarpSpan;
+    const int spans_per_chunk = static_cast<int>(max(
+        chunk_units(a.num_tokens, n_spans, 1, static_cast<long long>(n_senders) * n_warps),
+        static_cast<long long>((n_spans + kMaxChunks - 1) / kMaxChunks)));
+    const int n_chunks = (n_spans + spans_per_chunk - 1) / spans_per_chunk;
     if (small) {
+        // 0s. The warp's first item's chunk of x and top-k row into L2 while the readiness wait below runs: both are
+        // cold in a decode round, and nothing but the stores needs the wait (knob kKnobNoPrefetch: without).
+        const int item0 = warp * n_senders + static_cast<int>(blockIdx.x) - first_sender;
+        if (!(knobs & kKnobNoPrefetch) && item0 < a.num_tokens * n_chunks) {
+            const int t = item0 / n_chunks, ch = item0 % n_chunks;
+            const int c_lo = ch * spans_per_chunk * kWarpSpan, c_hi = min(H, c_lo + spans_per_chunk * kWarpSpan);
+            const char* x_lo = static_cast<const char*>(a.x) + (static_cast<long long>(t) * H + c_lo) * sizeof(T);
+            for (int b = 128 * lane; b < (c_hi - c_lo) * static_cast<int>(sizeof(T)); b += 128 * kWarp)
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(x_lo + b));
+            if (lane == kWarp - 1)
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(a.topk_ids + static_cast<long long>(t) * K));
+        }
         // 1s. Every destination is ready (small_round_ready). No book: a token's record is its index, and each
         // warp finds its token's destinations itself. The send blocks do not wait for block 0's tally and book
         // stores (2 x H200, N = 128 bf16: 29.1-29.4 us against 32.4-32.8 with the wait; knob kKnobTallyWait
         // restores it): the receiver waits for the tallies, the book rows and each message's tag anyway.
-        if (!small_round_ready(ep, round, &s_ok)) return;
+        if (!small_round_ready(ep, round, &s_ok, early_ready)) return;
         CUEP_TRACE(ep, static_cast<int>(blockIdx.x) == first_sender, 3);
         if (warp == 0 && (knobs & kKnobTallyWait) &&
             !warp_wait_until(ctr + C_SMALL_TALLY, [round](int v) { return v >= round + 1; }, ep, K_DISPATCH_SEND,
@@ -693,11 +725,6 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
     auto message_slot = [&](int t, int d) -> int {
         return small ? t : slots[static_cast<long long>(t) * kMaxRanks + d];
     };
-    const int n_spans = (H + kWarpSpan - 1) / kWarpSpan;
-    const int spans_per_chunk = static_cast<int>(max(
-        chunk_units(a.num_tokens, n_spans, 1, static_cast<long long>(n_senders) * n_warps),
-        static_cast<long long>((n_spans + kMaxChunks - 1) / kMaxChunks)));
-    const int n_chunks = (n_spans + spans_per_chunk - 1) / spans_per_chunk;
     using S = typename FormatTraits<FMT>::Scale;
     using SendVectors = WarpVectors<4>;
     // Consecutive items go to different blocks (SMs) first, so a small batch still spreads over the GPU.
@@ -764,12 +791,15 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
         // Destinations in a rotated order (from the token's index): the warps of every GPU then write to every
         // destination at once. With d = 0, 1, ... in every warp, all GPUs began by writing to rank 0, one
         // destination took three GPUs' traffic at a time, and the 4-GPU send half ran at 210 GB/s against the
-        // 350 GB/s of an all-to-all copy kernel.
+        // 350 GB/s of an all-to-all copy kernel. With local_from_x my own tokens are not staged here: my receive
+        // phase takes them from x.
+        const unsigned allowed = local_from_x ? ~(1u << rank) : ~0u;
         unsigned sent = 0;  // destinations of this item
         int n_dst = 0;      // how many; lane j < n_dst holds the payload address of the j-th (in the order below)
         unsigned long long lane_dst = 0;
         for (int i = 0; i < R; ++i) {
             const int d = (t + rank + i) % R;
+            if (!((allowed >> d) & 1u)) continue;
             const unsigned mask = __ballot_sync(0xffffffffu, r == d);
             if (!mask) continue;
             sent |= 1u << d;
@@ -798,7 +828,7 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
         }
         // The chunk's payload, 2 KB at a time: loaded once, stored to every destination (a copy per destination
         // loaded it again behind the previous destination's stores).
-        for (long long b = p_lo; b < p_hi; b += SendVectors::kBytes) {
+        for (long long b = p_lo; n_dst && b < p_hi; b += SendVectors::kBytes) {
             const int n = static_cast<int>(min(static_cast<long long>(SendVectors::kBytes), p_hi - b));
             SendVectors v;
             if (kDirectPayload && b == p_lo) v = first_pass;
@@ -807,8 +837,9 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
                 v.store(reinterpret_cast<char*>(__shfl_sync(0xffffffffu, lane_dst, j)) + b, n, lane);
         }
         // The chunk counts itself into each destination's ready tag (staged: sets its flag) last: the warp's
-        // stores above happen before the tags (warp barrier, then one system-scope fence for all destinations: a
-        // release per destination waited for each destination's stores in turn, 5 us of a 2-GPU decode dispatch).
+        // stores above happen before the tags (warp barrier, then one system-scope fence for all destinations:
+        // a release per destination waited for each destination's stores in turn, 5 us of a 2-GPU decode
+        // dispatch).
         __syncwarp();
         if (lane == 0 && sent) {
             fence_sys();
@@ -846,12 +877,12 @@ done:
 // recv: wait for every source, then lay the round out. Blocks [first_block, grid) take part (see dispatch_kernel).
 template <int FMT>
 __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char* smem, int* s_flag, int first_block,
-                           int knobs) {
+                           bool local_from_x, int knobs) {
     const int block = static_cast<int>(blockIdx.x) - first_block, n_blocks = static_cast<int>(gridDim.x) - first_block;
     const int E = static_cast<int>(ep[P_N_EXPERTS]), K = static_cast<int>(ep[P_TOP_K]);
     const int L = static_cast<int>(ep[P_N_LOCAL]), rank = static_cast<int>(ep[P_RANK]);
     const int n_src = static_cast<int>(ep[P_N_SRC]), G = static_cast<int>(ep[P_N_GROUPS]);
-    const int sh = static_cast<int>(ep[P_SHARED]);
+    const int sh = static_cast<int>(ep[P_SHARED]), me = static_cast<int>(ep[P_SRC_INDEX]);
     const int par = round & 1;
     const long long pb = ep[P_PAYLOAD_BYTES], T_max = ep[P_MAX_TOKENS];
     int* ctr = ep.counters();
@@ -974,7 +1005,11 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
         // the token's first local expert: everything waits for the tag.
         const bool staged = staged_source(ep, s_tally, s);
         const char* meta = message_meta(ep, rank, staged, par, s, staged ? s_msg_tok[s * S + i] : i);
+        // local_from_x: my own tokens come from x (bf16, this launch's input), not from a staged record: their
+        // fan-out need not wait for the NVLink stores' fence, so it overlaps the incoming stream
+        const bool from_x = local_from_x && staged && s == me;
         auto wait_payload = [&]() {
+            if (from_x) return true;
             const bool ok =
                 staged ? warp_wait_chunk_flags(staged_flags(ep, meta), staged_flag_count(ep), round, ep,
                                                K_DISPATCH_RECV, s, lane, sleep_ns)
@@ -1016,7 +1051,9 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
         const int first = local ? __ffs(local) - 1 : 0;
         const int first_row = __shfl_sync(0xffffffffu, row, first);
         // the payload's source, and the local rows it still has to reach (staged: all of them)
-        const char* payload = staged ? staged_payload(ep, meta) : tokens + first_row * pb;
+        const char* payload = from_x   ? static_cast<const char*>(a.x) + static_cast<long long>(t) * pb
+                              : staged ? staged_payload(ep, meta)
+                                       : tokens + first_row * pb;
         const unsigned copy_to = staged ? local : local & (local - 1);
         // This chunk of the payload to every row it still has to reach, 2 KiB at a time: loaded once into
         // registers, stored to each row (a copy per row re-loaded it behind the previous row's stores).
@@ -1068,7 +1105,9 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
         if (staged) {
             if (!wait_payload()) break;
             if (lane < K && row >= 0) {
-                const float wm = reinterpret_cast<const float*>(meta + ep[P_META_W])[lane];
+                const float wm = !from_x          ? reinterpret_cast<const float*>(meta + ep[P_META_W])[lane]
+                                 : a.topk_weights ? a.topk_weights[static_cast<long long>(t) * K + lane]
+                                                  : 0.f;
                 a.row_weight[row] = wm;
                 msg_weights(ep, a.msg_rows)[mi * K + lane] = wm;
             }
@@ -1145,12 +1184,23 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
 
 }  // namespace
 
+constexpr int kSmallSendSixteenths = 6;
+
 template <int FMT, typename T>
 __device__ void dispatch_kernel(const EPParams& params, DispatchArgs a, int phases) {
     extern __shared__ __align__(16) char smem[];
     __shared__ int s_flag;
     const EP ep{params.v};
     int* ctr = ep.counters();
+    // A small round's readiness rows (small_round_ready), both parities, loaded by warp 1 while thread 0 loads the
+    // entry counters (the barrier in load_entry_counters publishes them).
+    __shared__ uint64_t s_early_ready[2 * kMaxRanks];
+    const bool early = (phases & (kPhaseNotify | kPhaseSend)) && !(phases & kKnobNoEarlyLoads) &&
+                       small_round(ep, a.num_tokens);
+    if (early && threadIdx.x >= kWarp && threadIdx.x < kWarp + 2 * ep[P_N_SRC]) {
+        const int l = static_cast<int>(threadIdx.x) - kWarp, n_src = static_cast<int>(ep[P_N_SRC]);
+        s_early_ready[l] = load_acquire_u64(tally_row(ep, static_cast<int>(ep[P_RANK]), l / n_src, l % n_src));
+    }
     // The error flag and the rounds in one load per block. Rounds are read once at entry: the last block of a
     // phase advances them only after every block started.
     const EntryCounters entry = load_entry_counters(ep);
@@ -1158,19 +1208,27 @@ __device__ void dispatch_kernel(const EPParams& params, DispatchArgs a, int phas
     const int send_round = entry.disp_round, recv_round = entry.recv_round;
     const int entered = count_entry(ep, C_ENTER_DISPATCH);
     CUEP_TRACE(ep, blockIdx.x == 0, 0);
-    if (phases & kPhaseNotify) phase_notify(ep, a, send_round, &s_flag, smem);
+    if (phases & kPhaseNotify) phase_notify(ep, a, send_round, &s_flag, smem, early ? s_early_ready : nullptr);
     // In one fused launch half of the blocks only receive, so the fan-out runs while tokens are still being sent
     // (CUEP_RECV_BLOCK_DIV: 1 / share of receive-only blocks; 0 = every block sends first). 2 x H200, N = 4096
     // bf16: every block sending first 347 us, a quarter receiving 311 us, half 293 us.
 #ifndef CUEP_RECV_BLOCK_DIV
 #define CUEP_RECV_BLOCK_DIV 2
 #endif
-    const int small_sixteenths = (phases >> kKnobSmallSendShift) & 31;
-    const int send_blocks = small_sixteenths && (phases & kPhaseRecv) && small_round(ep, a.num_tokens)
-                                ? max(1, static_cast<int>(gridDim.x) * min(small_sixteenths, 16) / 16)
+    // A small fused round sends from 6/16 of the blocks (knob bits 10-14: another share). In-process A/B, 2 x H200,
+    // N = 128, cold: 8/16 26.4 us, 6/16 25.4, 5/16 25.2-25.5, 4/16 25.5, 3/16 26.3 (bf16); fp8 8/16 28.7, 6/16
+    // 27.7-28.0, 5/16 28.4: the receive blocks' fan-out, not the send, was short of SMs.
+    const int knob_sixteenths = (phases >> kKnobSmallSendShift) & 31;
+    const int small_sixteenths = knob_sixteenths ? min(knob_sixteenths, 16) : kSmallSendSixteenths;
+    const int send_blocks = (phases & kPhaseRecv) && (phases & kPhaseSend) && small_round(ep, a.num_tokens)
+                                ? max(1, static_cast<int>(gridDim.x) * small_sixteenths / 16)
                                 : send_block_count(phases, CUEP_RECV_BLOCK_DIV);
+    // One call with x moving a small bf16 round: this rank's own tokens go from x to its rows (kPhaseLocalX)
+    const bool local_from_x = FMT == kFmtBf16 && sizeof(T) == 2 && (phases & kPhaseLocalX) &&
+                              !(phases & kKnobNoLocalX) && a.x != nullptr && small_round(ep, a.num_tokens);
     if (phases & kPhaseSend)
-        phase_send<FMT, T>(ep, a, send_round, smem, send_blocks, (phases & kPhaseNotify) != 0, phases);
+        phase_send<FMT, T>(ep, a, send_round, smem, send_blocks, (phases & kPhaseNotify) != 0, local_from_x,
+                           early ? s_early_ready : nullptr, phases);
     // A small round's fused launch: the blocks that sent do not receive; the receive-only blocks place the few
     // messages of a decode round (a sender that went on to receive first loaded every tally and laid the round
     // out again, 2 us after its last send, for items long taken). Knob kKnobSendersReceive keeps them receiving.
@@ -1179,7 +1237,7 @@ __device__ void dispatch_kernel(const EPParams& params, DispatchArgs a, int phas
                                ? send_blocks
                                : 0;
     if ((phases & kPhaseRecv) && static_cast<int>(blockIdx.x) >= first_recv)
-        phase_recv<FMT>(ep, a, recv_round, smem, &s_flag, first_recv, phases);
+        phase_recv<FMT>(ep, a, recv_round, smem, &s_flag, first_recv, local_from_x, phases);
     // The block that entered last advances the rounds of the phases this launch ran.
     if (last_to_enter(ep, C_ENTER_DISPATCH, entered)) {
         if (phases & kPhaseSend) ctr[C_DISP_ROUND] = send_round + 1;

@@ -93,6 +93,9 @@ constexpr int kStatusDuplicateExpert = 3;
 constexpr int kPhaseNotify = 1;   // publish this round's histogram (dispatch) or readiness (combine)
 constexpr int kPhaseSend = 2;     // move the data
 constexpr int kPhaseRecv = 4;     // wait for it and lay it out
+// dispatch: the send and receive phases of this round are one call with x (cuep.dispatch, not dispatch_async):
+// a small bf16 round's receiver then takes its own tokens straight from x (local_from_x), and no sender stages them
+constexpr int kPhaseLocalX = 8;
 // Measurement knobs, bits 8 and up of `phases` (CUEP_EP_KNOBS in the environment, read by cuep/ep.py; 0 in use):
 // one build times both sides of a design choice.
 constexpr int kKnobSendersReceive = 1 << 8;  // dispatch, small fused round: the send blocks receive too
@@ -102,6 +105,9 @@ constexpr int kKnobSmallSendShift = 10;
 // dispatch receive: v = bits 16-18: the polls of tallies, book rows and ready tags sleep 32 << v ns (64 << v for
 // tallies) between loads instead of 32 (64)
 constexpr int kKnobPollShift = 16;
+constexpr int kKnobNoLocalX = 1 << 19;  // dispatch: ignore kPhaseLocalX (the local tokens are staged as the others)
+constexpr int kKnobNoPrefetch = 1 << 20;  // dispatch, small round: no L2 prefetch of the first item before the wait
+constexpr int kKnobNoEarlyLoads = 1 << 21;  // dispatch / combine: no loads issued beside the entry counters' load
 __device__ __forceinline__ unsigned poll_sleep_ns(int knobs, unsigned base) { return base << ((knobs >> kKnobPollShift) & 7); }
 
 struct EP {
