@@ -377,11 +377,10 @@ __device__ bool send_items(const EP& ep, const CombineArgs& a, int round, int se
         if (threadIdx.x == 0) s_ok = 1;
         __syncthreads();
         if (threadIdx.x < n_dest) {
-            const uint64_t t0 = global_timer_ns();
+            SpinClock clock;
             while (load_acquire_u64(ready + threadIdx.x) < want &&
                    load_acquire_u64(ready + par_off + threadIdx.x) < want) {
-                if (global_timer_ns() - t0 > static_cast<uint64_t>(ep[P_TIMEOUT_NS])) {
-                    report_error(ep, kStatusTimeout, K_COMBINE_SEND, -1, dest_rank(ep, threadIdx.x));
+                if (clock.stop(ep, K_COMBINE_SEND, dest_rank(ep, threadIdx.x))) {
                     s_ok = 0;
                     break;
                 }

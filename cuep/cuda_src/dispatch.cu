@@ -122,8 +122,7 @@ __device__ __forceinline__ int chunk_flag(int round, int n_chunks) {
 __device__ bool warp_wait_chunk_flags(const int* flags, int n_flags, int round, const EP& ep, int kernel, int src,
                                       int lane, unsigned sleep_ns) {
     const unsigned stamp = chunk_stamp(round);
-    const uint64_t t0 = global_timer_ns();
-    uint64_t checked = t0;
+    SpinClock clock;  // lane 0's
     for (;;) {
         const unsigned v = lane < n_flags ? static_cast<unsigned>(load_acquire_sys_i32(flags + lane)) : 0u;
         const unsigned f0 = __shfl_sync(0xffffffffu, v, 0);
@@ -138,18 +137,7 @@ __device__ bool warp_wait_chunk_flags(const int* flags, int n_flags, int round, 
             }
         }
         if (landed) break;
-        int stop = 0;
-        if (lane == 0) {
-            const uint64_t now = global_timer_ns();
-            if (now - checked > kFailCheckNs) {
-                stop = has_failed(ep);
-                checked = now;
-            }
-            if (!stop && now - t0 > static_cast<uint64_t>(ep[P_TIMEOUT_NS])) {
-                report_error(ep, kStatusTimeout, kernel, -1, src);
-                stop = 1;
-            }
-        }
+        const int stop = lane == 0 && clock.stop(ep, kernel, src);
         if (__shfl_sync(0xffffffffu, stop, 0)) return false;
         __nanosleep(sleep_ns);
     }
@@ -194,18 +182,11 @@ __device__ bool load_tallies(const EP& ep, int round, int* s_tally, int kernel, 
     const uint32_t stamp = static_cast<uint32_t>(round) + 1;
     if (threadIdx.x == 0) *s_ok = 1;
     __syncthreads();
-    const uint64_t t0 = global_timer_ns();
-    uint64_t checked = t0;
+    SpinClock clock;  // one for all of this thread's entries
     for (int i = threadIdx.x; i < n_src * E1; i += blockDim.x) {
         uint64_t v;
         while (static_cast<uint32_t>((v = load_acquire_u64(tally + i)) >> 32) != stamp) {
-            const uint64_t now = global_timer_ns();
-            if (now - checked > kFailCheckNs) {
-                if (has_failed(ep)) { *s_ok = 0; break; }
-                checked = now;
-            }
-            if (now - t0 > static_cast<uint64_t>(ep[P_TIMEOUT_NS])) {
-                report_error(ep, kStatusTimeout, kernel, -1, i / E1);
+            if (clock.stop(ep, kernel, i / E1)) {
                 *s_ok = 0;
                 break;
             }
@@ -373,18 +354,9 @@ __device__ __forceinline__ uint64_t* book_row(const EP& ep, int rank, int par, i
 __device__ __forceinline__ bool wait_stamped(const EP& ep, const uint64_t* p, uint32_t stamp, int kernel, int src,
                                              uint32_t& value, unsigned sleep_ns = 32) {
     uint64_t v;
-    uint64_t t0 = 0, checked = 0;
+    SpinClock clock;
     while (static_cast<uint32_t>((v = load_acquire_u64(p)) >> 32) != stamp) {
-        const uint64_t now = global_timer_ns();
-        if (t0 == 0) t0 = checked = now;
-        if (now - checked > kFailCheckNs) {
-            if (has_failed(ep)) return false;
-            checked = now;
-        }
-        if (now - t0 > static_cast<uint64_t>(ep[P_TIMEOUT_NS])) {
-            report_error(ep, kStatusTimeout, kernel, -1, src);
-            return false;
-        }
+        if (clock.stop(ep, kernel, src)) return false;
         __nanosleep(sleep_ns);
     }
     value = static_cast<uint32_t>(v);

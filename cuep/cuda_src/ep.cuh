@@ -186,6 +186,26 @@ __device__ __forceinline__ bool last_to_enter(const EP& ep, int counter, int ent
 // item claims and the flag itself.
 constexpr uint64_t kFailCheckNs = 1000;
 
+// The clock of one bounded spin (every wait loop of the EP kernels has one): started at the first miss (a wait
+// whose flag is already there never reads the timer), stop() says when to give up: once the rank has failed (the
+// error flag, looked at every kFailCheckNs) or past the timeout, which it records as (kernel, src).
+struct SpinClock {
+    uint64_t t0 = 0, checked = 0;
+    __device__ __forceinline__ bool stop(const EP& ep, int kernel, int src) {
+        const uint64_t now = global_timer_ns();
+        if (t0 == 0) t0 = checked = now;
+        if (now - checked > kFailCheckNs) {
+            if (has_failed(ep)) return true;
+            checked = now;
+        }
+        if (now - t0 > static_cast<uint64_t>(ep[P_TIMEOUT_NS])) {
+            report_error(ep, kStatusTimeout, kernel, -1, src);
+            return true;
+        }
+        return false;
+    }
+};
+
 // The rounds and the error flag at kernel entry: one 16-byte load by thread 0 of each block, shared through shared
 // memory. (Every thread loading them, 67K loads of one line, took 3 us of every EP kernel: a dispatch with no phase
 // ran 7.5 us event to event on 2 x H200, an empty kernel of the same grid 4.5.) All threads; ends with a barrier.
@@ -253,16 +273,9 @@ __device__ __forceinline__ bool warp_wait_until(const int* tag, Done done, const
                                                 int lane, unsigned sleep_ns = 32) {
     int ok = 1;
     if (lane == 0) {
-        const uint64_t t0 = global_timer_ns();
-        uint64_t checked = t0;
+        SpinClock clock;
         while (!done(load_acquire_sys_i32(tag))) {
-            const uint64_t now = global_timer_ns();
-            if (now - checked > kFailCheckNs) {
-                if (has_failed(ep)) { ok = 0; break; }
-                checked = now;
-            }
-            if (now - t0 > static_cast<uint64_t>(ep[P_TIMEOUT_NS])) {
-                report_error(ep, kStatusTimeout, kernel, -1, src);
+            if (clock.stop(ep, kernel, src)) {
                 ok = 0;
                 break;
             }
@@ -316,10 +329,9 @@ __device__ __forceinline__ bool block_wait_flags(const uint64_t* flags, int n, D
     if (threadIdx.x == 0) *s_ok = 1;
     __syncthreads();
     if (threadIdx.x < n) {
-        const uint64_t t0 = global_timer_ns();
+        SpinClock clock;
         while (!done(load_acquire_u64(flags + static_cast<long long>(threadIdx.x) * stride))) {
-            if (global_timer_ns() - t0 > static_cast<uint64_t>(ep[P_TIMEOUT_NS])) {
-                report_error(ep, kStatusTimeout, kernel, -1, threadIdx.x);
+            if (clock.stop(ep, kernel, threadIdx.x)) {
                 *s_ok = 0;
                 break;
             }
@@ -336,11 +348,10 @@ __device__ __forceinline__ bool block_wait_not_empty(const uint64_t* flags, int 
     if (threadIdx.x == 0) *s_ok = 1;
     __syncthreads();
     if (threadIdx.x < n) {
-        const uint64_t t0 = global_timer_ns();
+        SpinClock clock;
         uint64_t v;
         while ((v = load_acquire_u64(flags + threadIdx.x)) == kEmpty) {
-            if (global_timer_ns() - t0 > static_cast<uint64_t>(ep[P_TIMEOUT_NS])) {
-                report_error(ep, kStatusTimeout, kernel, -1, threadIdx.x);
+            if (clock.stop(ep, kernel, threadIdx.x)) {
                 *s_ok = 0;
                 break;
             }
