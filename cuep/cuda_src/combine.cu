@@ -174,12 +174,15 @@ __device__ __forceinline__ void publish_parity_ready(const EP& ep, int round, in
     __syncthreads();  // every re-arming store of phase_notify before the flags (release, cumulative)
     publish_ready(ep, round + 2, true);
 }
-__device__ void phase_notify(const EP& ep, int round, int mode, bool defer_parity) {
+__device__ void phase_notify(const EP& ep, int round, int mode, bool defer_parity, int num_tokens) {
     if (blockIdx.x != 0) return;
     int* ctr = ep.counters();
-    const long long T = ep[P_MAX_TOKENS];
+    // Only the tokens of the other parity's last round (q - 1) can have nonzero counts: a decode round in a buffer
+    // sized for prefill re-arms its N lines, not T (C_ARRIVED_N: this round's N, for the re-arm at round q + 1).
+    const int n_arm = ctr[C_ARRIVED_N + ((round + 1) & 1)];
     int* arrived = arrived_base(ep, static_cast<int>(ep[P_RANK]), round + 1);
-    for (long long t = threadIdx.x; t < T; t += blockDim.x) arrived[t * kArrivedStride] = 0;
+    for (int t = threadIdx.x; t < n_arm; t += blockDim.x) arrived[static_cast<long long>(t) * kArrivedStride] = 0;
+    if (threadIdx.x == 0) ctr[C_ARRIVED_N + (round & 1)] = num_tokens;
     const bool parity = parity_slots(ep, mode);
     // "any" readiness for this round: not needed after a parity round (it let this round in already) nor after a
     // round that published it at its end (C_CREADY); needed in the first round after a reset
@@ -695,7 +698,7 @@ __device__ void combine_kernel(const EPParams& params, const CombineArgs& a, int
     const int round = entry.comb_round, recv_round = entry.crecv_round;
     const int entered = count_entry(ep, C_ENTER_COMBINE);
     CUEP_TRACE(ep, blockIdx.x == 0, 12);
-    if (phases & kPhaseNotify) phase_notify(ep, round, a.mode, (phases & kPhaseSend) != 0);
+    if (phases & kPhaseNotify) phase_notify(ep, round, a.mode, (phases & kPhaseSend) != 0, a.num_tokens);
     if ((phases & kPhaseRecv) && (phases & kPhaseSend) && threadIdx.x % kWarp < static_cast<unsigned>(ep[P_TOP_K])) {
         // the receive item's top-k row into L2 now, so the receive half does not start with a cold load
         const int n_vec = static_cast<int>(ep[P_HIDDEN] / 8), item = recv_static_item(a, n_vec);

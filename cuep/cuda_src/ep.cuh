@@ -79,6 +79,7 @@ enum Counter : int {
     C_DONE_CRECV = 16,
     C_RECV_ITEM = 17,     // next receive work item to claim (dispatch receive phase)
     C_CRECV_ITEM = 18,    // [2] next receive work item to claim (combine receive phase), by round parity
+    C_ARRIVED_N = 20,     // [2] tokens of the last combine round of each parity (their arrival counts to re-arm)
     C_HIST = 32,          // [E] this round's expert histogram (atomics on it also reserve each choice's slot)
 };
 
