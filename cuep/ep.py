@@ -37,8 +37,9 @@ _NULL = np.uint64(0)
 
 
 def _env_knobs() -> int:
-    """Measurement knobs (ep.cuh, kKnob*): bits 8 and up of the dispatch kernel's phase argument, from
-    ``CUEP_EP_KNOBS``, so one build times both sides of a design choice (development only; unset in use)."""
+    """Measurement knobs (ep.cuh, kKnob*): bits 8 and up of the dispatch and combine kernels' phase argument, from
+    ``CUEP_EP_KNOBS``, so one build times both sides of a design choice (development only; unset in use;
+    ``scripts/ab_knobs.py`` alternates them in one process through ``cuep.ep._KNOBS``)."""
     raw = os.environ.get("CUEP_EP_KNOBS", "0")
     try:
         return int(raw, 0) & ~0xFF

@@ -124,7 +124,7 @@ struct EP {
 
 // Measurement knob (CUEP_EXTRA_DEFINES="CUEP_AB_TRACE=1"; off: no code): thread 0 of one block records the low
 // 32 bits of %globaltimer (ns) at the phase boundaries into 32 int32 counters after the histogram;
-// scripts/trace_ep.py reads them. Points: dispatch 0-10, combine 12-17 (listed in that script).
+// scripts/trace_ep.py reads them and lists the points (dispatch and combine share the 32 slots).
 #ifdef CUEP_AB_TRACE
 #define CUEP_TRACE(ep, when, i)                                                                             \
     do {                                                                                                 \
