@@ -343,27 +343,6 @@ __device__ __forceinline__ bool block_wait_flags(const uint64_t* flags, int n, D
     return *s_ok != 0;
 }
 
-// Same, until flags[i] != kEmpty; the values are left in s_vals[i].
-__device__ __forceinline__ bool block_wait_not_empty(const uint64_t* flags, int n, uint64_t* s_vals, const EP& ep,
-                                                     int kernel, int* s_ok) {
-    if (threadIdx.x == 0) *s_ok = 1;
-    __syncthreads();
-    if (threadIdx.x < n) {
-        SpinClock clock;
-        uint64_t v;
-        while ((v = load_acquire_u64(flags + threadIdx.x)) == kEmpty) {
-            if (clock.stop(ep, kernel, threadIdx.x)) {
-                *s_ok = 0;
-                break;
-            }
-            __nanosleep(64);
-        }
-        s_vals[threadIdx.x] = v;
-    }
-    __syncthreads();
-    return *s_ok != 0;
-}
-
 // msg_rows [n_src, T, K] (the row of each message's choice k, -1 if none here) is followed by the router weight of
 // each of those choices (float, same shape), so combine reads a message's rows and weights together instead of the
 // weight behind the row (row_weight[row]: one more dependent load before a decode combine's first expert row).
