@@ -343,27 +343,6 @@ __device__ __forceinline__ bool block_wait_flags(const uint64_t* flags, int n, D
     return *s_ok != 0;
 }
 
-// Same, until flags[i] != kEmpty; the values are left in s_vals[i].
-__device__ __forceinline__ bool block_wait_not_empty(const uint64_t* flags, int n, uint64_t* s_vals, const EP& ep,
-                                                     int kernel, int* s_ok) {
-    if (threadIdx.x == 0) *s_ok = 1;
-    __syncthreads();
-    if (threadIdx.x < n) {
-        SpinClock clock;
-        uint64_t v;
-        while ((v = load_acquire_u64(flags + threadIdx.x)) == kEmpty) {
-            if (clock.stop(ep, kernel, threadIdx.x)) {
-                *s_ok = 0;
-                break;
-            }
-            __nanosleep(64);
-        }
-        s_vals[threadIdx.x] = v;
-    }
-    __syncthreads();
-    return *s_ok != 0;
-}
-
 // msg_rows [n_src, T, K] (the row of each message's choice k, -1 if none here) is followed by the router weight of
 // each of those choices (float, same shape), so combine reads a message's rows and weights together instead of the
 // weight behind the row (row_weight[row]: one more dependent load before a decode combine's first expert row).
@@ -372,6 +351,27 @@ __device__ __forceinline__ float* msg_weights(const EP& ep, int* msg_rows) {
 }
 __device__ __forceinline__ const float* msg_weights(const EP& ep, const int* msg_rows) {
     return reinterpret_cast<const float*>(msg_rows + ep[P_N_SRC] * ep[P_MAX_TOKENS] * ep[P_TOP_K]);
+}
+
+// A warp holding one token's top-k row, lane k = choice k (k < K): does an earlier lane hold the same value v?
+// (All lanes take part.)
+__device__ __forceinline__ bool warp_repeats_earlier(int v, int lane, int K) {
+    bool repeat = false;
+    for (int k2 = 0; k2 < K; ++k2) {
+        const int u = __shfl_sync(0xffffffffu, v, k2);
+        if (k2 < lane && u == v) repeat = true;
+    }
+    return repeat;
+}
+// Is this lane's choice, valid by `valid_mask`, the first valid one of its rank `rank_of` (no earlier valid lane
+// with the same rank)? (All lanes take part.)
+__device__ __forceinline__ bool warp_first_of_rank(int rank_of, unsigned valid_mask, int lane, int K) {
+    bool first = (valid_mask >> lane) & 1u;
+    for (int k2 = 0; k2 < K; ++k2) {
+        const int u = __shfl_sync(0xffffffffu, rank_of, k2);
+        if (k2 < lane && ((valid_mask >> k2) & 1u) && u == rank_of) first = false;
+    }
+    return first;
 }
 
 // Is top-k choice k of this token a valid expert for this call (in range, not a repeat; with skip_a2a, local)?
