@@ -580,17 +580,10 @@ __device__ void phase_recv(const EP& ep, const CombineArgs& a, int round, int* s
         const int t = item / n_chunks, ch = item % n_chunks;
         const int c_begin = ch * kChunkVecs, c_end = min(n_vec, c_begin + kChunkVecs);
         const int e = lane < K ? a.topk_ids[static_cast<long long>(t) * K + lane] : -1;
-        bool valid = lane < K && e >= 0 && e < E && (!ep[P_SKIP_A2A] || e / L == ep[P_RANK]);
-        for (int k2 = 0; k2 < K; ++k2) {
-            const int v = __shfl_sync(0xffffffffu, e, k2);
-            if (k2 < lane && v == e) valid = false;
-        }
+        const bool repeat = warp_repeats_earlier(e, lane, K);
+        const bool valid = lane < K && e >= 0 && e < E && (!ep[P_SKIP_A2A] || e / L == ep[P_RANK]) && !repeat;
         const unsigned valid_mask = __ballot_sync(0xffffffffu, valid);
-        bool first_of_rank = valid;
-        for (int k2 = 0; k2 < K; ++k2) {
-            const int v = __shfl_sync(0xffffffffu, e, k2);
-            if (k2 < lane && ((valid_mask >> k2) & 1u) && v / L == e / L) first_of_rank = false;
-        }
+        const bool first_of_rank = warp_first_of_rank(e / L, valid_mask, lane, K);
         // partial sums: one per destination rank of the token (with skip_a2a, one if any choice was local)
         const int n_partials = __popc(__ballot_sync(0xffffffffu, first_of_rank));
         const float w = (a.mode == kWeighted && valid) ? a.topk_weights[static_cast<long long>(t) * K + lane] : 0.f;

@@ -568,22 +568,14 @@ __device__ void phase_notify(const EP& ep, const DispatchArgs& a, int round, int
         const long long i = static_cast<long long>(t) * K + lane;
         const int e = lane < K ? a.topk_ids[i] : -1;
         const bool in_range = lane < K && e >= 0 && e < E;
-        bool repeat = false;
-        for (int k2 = 0; k2 < K; ++k2) {
-            const int v = __shfl_sync(0xffffffffu, e, k2);
-            if (k2 < lane && v == e) repeat = true;
-        }
+        const bool repeat = warp_repeats_earlier(e, lane, K);
         if (lane < K && !in_range) report_error(ep, kStatusBadExpertId, K_DISPATCH_SEND, e, t);
         const bool local_ok = !ep[P_SKIP_A2A] || (in_range && e / L == ep[P_RANK]);
         if (in_range && repeat && local_ok) report_error(ep, kStatusDuplicateExpert, K_DISPATCH_SEND, e, t);
         const bool valid = in_range && !repeat && local_ok;
         const unsigned valid_mask = __ballot_sync(0xffffffffu, valid);
         const int r = valid ? e / L : -1;
-        bool first = valid;
-        for (int k2 = 0; k2 < K; ++k2) {
-            const int v = __shfl_sync(0xffffffffu, r, k2);
-            if (k2 < lane && ((valid_mask >> k2) & 1u) && v == r) first = false;
-        }
+        const bool first = warp_first_of_rank(r, valid_mask, lane, K);
         if (valid) pos[i] = atomicAdd(hist + e, 1);
         // The ranks the token goes to (one message each), for the slots below.
         const unsigned to_ranks = __reduce_or_sync(0xffffffffu, first ? 1u << r : 0u);
@@ -1058,17 +1050,10 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
         }
         // My position among the token's destination ranks in top-k order (its partial-sum slot in combine):
         // the number of distinct ranks of valid choices whose first choice comes before mine. All lanes shuffle.
-        bool valid = lane < K && id < E;
-        for (int k2 = 0; k2 < K; ++k2) {
-            const int v = __shfl_sync(0xffffffffu, id, k2);
-            if (k2 < lane && v == id) valid = false;
-        }
+        const bool repeat = warp_repeats_earlier(id, lane, K);
+        const bool valid = lane < K && id < E && !repeat;
         const unsigned valid_mask = __ballot_sync(0xffffffffu, valid);
-        bool is_new_rank = valid && !ep[P_SKIP_A2A];
-        for (int k2 = 0; k2 < K; ++k2) {
-            const int v = __shfl_sync(0xffffffffu, id, k2);
-            if (k2 < lane && ((valid_mask >> k2) & 1u) && v / L == id / L) is_new_rank = false;
-        }
+        const bool is_new_rank = !ep[P_SKIP_A2A] && warp_first_of_rank(id / L, valid_mask, lane, K);
         const unsigned new_ranks = __ballot_sync(0xffffffffu, is_new_rank && lane < first);
         if (lane == 0) {
             a.msg_token[mi] = t;

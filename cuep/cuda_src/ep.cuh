@@ -353,6 +353,27 @@ __device__ __forceinline__ const float* msg_weights(const EP& ep, const int* msg
     return reinterpret_cast<const float*>(msg_rows + ep[P_N_SRC] * ep[P_MAX_TOKENS] * ep[P_TOP_K]);
 }
 
+// A warp holding one token's top-k row, lane k = choice k (k < K): does an earlier lane hold the same value v?
+// (All lanes take part.)
+__device__ __forceinline__ bool warp_repeats_earlier(int v, int lane, int K) {
+    bool repeat = false;
+    for (int k2 = 0; k2 < K; ++k2) {
+        const int u = __shfl_sync(0xffffffffu, v, k2);
+        if (k2 < lane && u == v) repeat = true;
+    }
+    return repeat;
+}
+// Is this lane's choice, valid by `valid_mask`, the first valid one of its rank `rank_of` (no earlier valid lane
+// with the same rank)? (All lanes take part.)
+__device__ __forceinline__ bool warp_first_of_rank(int rank_of, unsigned valid_mask, int lane, int K) {
+    bool first = (valid_mask >> lane) & 1u;
+    for (int k2 = 0; k2 < K; ++k2) {
+        const int u = __shfl_sync(0xffffffffu, rank_of, k2);
+        if (k2 < lane && ((valid_mask >> k2) & 1u) && u == rank_of) first = false;
+    }
+    return first;
+}
+
 // Is top-k choice k of this token a valid expert for this call (in range, not a repeat; with skip_a2a, local)?
 __device__ __forceinline__ bool valid_choice(const EP& ep, const int* ids_row, int k) {
     const int e = ids_row[k];
