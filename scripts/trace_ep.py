@@ -33,6 +33,10 @@ POINTS = {
 }
 
 
+# the combine's own meaning of points that the dispatch uses too (the two kernels' traces are read apart)
+COMBINE_POINTS = {4: "send: latest warp's last store issued", 9: "send: latest warp's stores complete"}
+
+
 def read_trace(buf, r):
     cfg = buf.cfg
     off = cfg.buffer_regions["counters"][0] + 4 * (32 + cfg.n_experts)
@@ -78,7 +82,7 @@ def main():
     gate.close()
     print(f"{g.n_ranks} GPUs, N={a.tokens}, {a.format}: median us after the kernel's first point, per rank")
     print(f"{'point':45s}" + "".join(f"  rank {r.rank:d}" for r in buf._ranks))
-    for op, first, pts in (("d", 0, [0, 18, 19, 21, 1, 22] + [2, 3, 4, 28, 5, 23, 7, 29, 24, 8, 25, 9, 26, 27, 10]), ("c", 12, [12, 13, 30, 31, 14, 11, 15, 6, 16, 20, 17])):
+    for op, first, pts in (("d", 0, [0, 18, 19, 21, 1, 22] + [2, 3, 4, 28, 5, 23, 7, 29, 24, 8, 25, 9, 26, 27, 10]), ("c", 12, [12, 13, 30, 31, 14, 4, 9, 11, 15, 6, 16, 20, 17])):
         for k in pts:
             row = []
             for r in buf._ranks:
@@ -86,7 +90,8 @@ def main():
                 dt = ((ts[:, k] - ts[:, first]) & 0xFFFFFFFF).astype(np.int64)
                 ok = ts[:, k] != 0
                 row.append(f"{np.median(dt[ok]) / 1e3:8.1f}" if ok.any() else "       -")
-            print(f"{k:2d} {POINTS[k]:42s}" + "".join(row))
+            name = COMBINE_POINTS.get(k, POINTS[k]) if op == "c" else POINTS[k]
+            print(f"{k:2d} {name:42s}" + "".join(row))
 
 
 if __name__ == "__main__":

@@ -58,9 +58,11 @@ __device__ __forceinline__ void fence_shared_for_bulk() { asm volatile("fence.pr
 struct Arrivals {
     int* ptr = nullptr;
     int vectors = 0;
+    bool relaxed = false;  // measurement knob kKnobCombineRelaxedCount (no ordering guarantee)
     __device__ __forceinline__ void post() {
         asm volatile("fence.proxy.async.global;" ::: "memory");  // the copy engine's writes before the count
-        red_add_release_sys(ptr, vectors);
+        if (relaxed) asm volatile("red.relaxed.sys.global.add.s32 [%0], %1;" ::"l"(ptr), "r"(vectors) : "memory");
+        else red_add_release_sys(ptr, vectors);
     }
     __device__ __forceinline__ void queue(int* p, int n) {
         if (ptr) {
@@ -109,6 +111,7 @@ struct CombineArgs {
     void* out;                  // [N, H] or [N, K (+1), H]
     int num_tokens;
     int mode;
+    int phases;                 // the launch's phase and knob bits
 };
 
 // 8 consecutive values of a combine-dtype row as float, and back.
@@ -269,6 +272,7 @@ __device__ bool send_partials_ring(const EP& ep, const CombineArgs& a, int round
     };
 
     Arrivals arrivals;  // lane 0's
+    arrivals.relaxed = (a.phases & kKnobCombineRelaxedCount) != 0;
     Cursor at{};
     at.item = warp0;
     if (at.item < total) load_item(at);
@@ -358,6 +362,11 @@ __device__ bool send_partials_ring(const EP& ep, const CombineArgs& a, int round
         advance(at);
     }
     cp_async_wait<0>();
+#ifdef CUEP_AB_TRACE  // the last slice issued (4), its stores complete (9), then the count behind its fences (11)
+    CUEP_TRACE_LATEST(ep, lane == 0 && warp0 < total, 4);
+    if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    CUEP_TRACE_LATEST(ep, lane == 0 && warp0 < total, 9);
+#endif
     if (lane == 0) arrivals.flush();
     CUEP_TRACE_LATEST(ep, lane == 0 && warp0 < total, 11);
     return true;
@@ -728,7 +737,8 @@ __device__ void combine_kernel(const EPParams& params, const CombineArgs& a, int
         const int* msg_count, const unsigned* row_offsets, const int* topk_ids, const float* topk_weights,   \
         const void* residual, void* out, int num_tokens, int mode, int phases) {                             \
         const CombineArgs a{expert_out, src_info, row_src, row_weight, msg_rows, msg_token, msg_j,           \
-                            msg_count, row_offsets, topk_ids, topk_weights, residual, out, num_tokens, mode}; \
+                            msg_count, row_offsets, topk_ids, topk_weights, residual, out, num_tokens, mode, \
+                            phases};                                                                     \
         combine_kernel<TC>(params, a, phases);                                                               \
     }
 

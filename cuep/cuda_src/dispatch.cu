@@ -806,7 +806,7 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
         // dispatch).
         __syncwarp();
         if (lane == 0 && sent) {
-            fence_sys();
+            if (!(knobs & kKnobDispatchNoFence)) fence_sys();  // (knob: measurement only, unordered)
             for (unsigned m = sent; m; m &= m - 1) {
                 const int d = __ffs(m) - 1;
                 char* meta = message_meta(ep, d, small, par, me, message_slot(t, d));

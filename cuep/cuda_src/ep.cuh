@@ -109,6 +109,12 @@ constexpr int kKnobPollShift = 16;
 constexpr int kKnobNoLocalX = 1 << 19;  // dispatch: ignore kPhaseLocalX (the local tokens are staged as the others)
 constexpr int kKnobNoPrefetch = 1 << 20;  // dispatch, small round: no L2 prefetch of the first item before the wait
 constexpr int kKnobNoEarlyLoads = 1 << 21;  // dispatch / combine: no loads issued beside the entry counters' load
+// Measurement only, no ordering guarantee (the data and its count or flag may be seen in either order; results can be
+// wrong): what the system-scope fence before a count or flag costs. Combine: the bf16 partial sums' arrival counts
+// are posted with a relaxed add after the proxy fence, without the release (MEMBAR.SYS). Dispatch: the chunk flags
+// and ready tags without the fence before them.
+constexpr int kKnobCombineRelaxedCount = 1 << 22;
+constexpr int kKnobDispatchNoFence = 1 << 23;
 __device__ __forceinline__ unsigned poll_sleep_ns(int knobs, unsigned base) { return base << ((knobs >> kKnobPollShift) & 7); }
 
 struct EP {
