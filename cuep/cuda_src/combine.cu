@@ -52,25 +52,29 @@ __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.w
 __device__ __forceinline__ void fence_shared_for_bulk() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
 // Per-token arrival counts of a warp's bulk-stored partial sums. Lane 0 issues every bulk store of its warp and
-// holds this: an item's vector count is added to the receiver's comb_arrived[t] (release, system scope) once its
-// stores are complete. It is queued when the item's last slice has been issued and posted when the next item's
-// last slice has (wait_group 1: every group but the newest is complete), so the warp rarely waits for NVLink.
+// holds this: an item's vector count is added to the receiver's comb_arrived[t] once its stores are complete. It is
+// queued when the item's last slice has been issued and posted when the next item's last slice has (wait_group 1:
+// every group but the newest is complete), so the warp rarely waits for NVLink.
+// The release before the add is at GPU scope for this rank's own tokens (release_add_count).
 struct Arrivals {
     int* ptr = nullptr;
     int vectors = 0;
+    bool local = false;    // the receiver is this GPU
     bool relaxed = false;  // measurement knob kKnobCombineRelaxedCount (no ordering guarantee)
+    bool sys_local = false;  // measurement knob kKnobCombineSysLocal: system scope for local counts too
     __device__ __forceinline__ void post() {
         asm volatile("fence.proxy.async.global;" ::: "memory");  // the copy engine's writes before the count
-        if (relaxed) asm volatile("red.relaxed.sys.global.add.s32 [%0], %1;" ::"l"(ptr), "r"(vectors) : "memory");
-        else red_add_release_sys(ptr, vectors);
+        if (relaxed) red_add_relaxed_sys(ptr, vectors);
+        else release_add_count(ptr, vectors, local && !sys_local);
     }
-    __device__ __forceinline__ void queue(int* p, int n) {
+    __device__ __forceinline__ void queue(int* p, int n, bool is_local) {
         if (ptr) {
             asm volatile("cp.async.bulk.wait_group 1;" ::: "memory");
             post();
         }
         ptr = p;
         vectors = n;
+        local = is_local;
     }
     __device__ __forceinline__ void flush() {
         asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
@@ -273,6 +277,7 @@ __device__ bool send_partials_ring(const EP& ep, const CombineArgs& a, int round
 
     Arrivals arrivals;  // lane 0's
     arrivals.relaxed = (a.phases & kKnobCombineRelaxedCount) != 0;
+    arrivals.sys_local = (a.phases & kKnobCombineSysLocal) != 0;
     Cursor at{};
     at.item = warp0;
     if (at.item < total) load_item(at);
@@ -354,7 +359,7 @@ __device__ bool send_partials_ring(const EP& ep, const CombineArgs& a, int round
             if (lane == 0) {
                 bulk_store(dst + 8 * at.c0, stage, (min(at.c_end, at.c0 + 2 * kWarp) - at.c0) * 8 * int(sizeof(TC)));
                 if (at.c0 + 2 * kWarp >= at.c_end)
-                    arrivals.queue(arrived_counter(ep, r, round, t), at.c_end - at.c_begin);
+                    arrivals.queue(arrived_counter(ep, r, round, t), at.c_end - at.c_begin, r == rank);
             }
 #pragma unroll
             for (int i = 0; i < 8; ++i) acc_a[i] = acc_b[i] = 0.f;
@@ -506,7 +511,7 @@ __device__ bool send_items(const EP& ep, const CombineArgs& a, int round, int se
                 if (lane == 0) {
                     bulk_store(dst + 8 * c0, stage, (min(c_end, c0 + 2 * kWarp) - c0) * 8 * int(sizeof(TC)));
                     if (c0 + 2 * kWarp >= c_end)
-                        arrivals.queue(arrived_counter(ep, r, round, t), c_end - ch * kChunkVecs);
+                        arrivals.queue(arrived_counter(ep, r, round, t), c_end - ch * kChunkVecs, r == rank);
                 }
             }
         }
@@ -527,8 +532,8 @@ __device__ bool send_items(const EP& ep, const CombineArgs& a, int round, int se
             warp_copy16(dst + first, eo + static_cast<long long>(row) * H + first, n * sizeof(TC), lane);
             __syncwarp();  // every lane's stores before lane 0's fence and count
             if (lane == 0) {
-                __threadfence_system();
-                red_add_release_sys(arrived_counter(ep, src, round, t), static_cast<int>(n / 8));
+                release_add_count(arrived_counter(ep, src, round, t), static_cast<int>(n / 8),
+                                  src == static_cast<int>(ep[P_RANK]) && !(a.phases & kKnobCombineSysLocal));
             }
         }
     }

@@ -112,6 +112,15 @@ __device__ __forceinline__ void red_add_relaxed_sys(int* p, int v) {
 __device__ __forceinline__ void red_add_release_sys(int* p, int v) {
     asm volatile("red.release.sys.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
+// Add v to a count that a reader acquires (system scope) to see this thread's earlier writes, and, through a warp or
+// block barrier before this, its warp's or block's: a release pattern at the scope that holds the reader, GPU scope
+// when it runs on this GPU (a system-scope fence, MEMBAR.SYS, costs about 2 us under NVLink traffic), then a relaxed
+// system-scope add (other GPUs add to the same count).
+__device__ __forceinline__ void release_add_count(int* p, int v, bool reader_on_this_gpu) {
+    if (reader_on_this_gpu) asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    else fence_sys();
+    red_add_relaxed_sys(p, v);
+}
 
 // ---- completion signal ---------------------------------------------------------------------------------
 // Publish `count` at `slot` (a peer's recv_count). All but the last signal bound for one rank may be plain

@@ -115,6 +115,7 @@ constexpr int kKnobNoEarlyLoads = 1 << 21;  // dispatch / combine: no loads issu
 // and ready tags without the fence before them.
 constexpr int kKnobCombineRelaxedCount = 1 << 22;
 constexpr int kKnobDispatchNoFence = 1 << 23;
+constexpr int kKnobCombineSysLocal = 1 << 24;  // combine: a system-scope release before local arrival counts too
 __device__ __forceinline__ unsigned poll_sleep_ns(int knobs, unsigned base) { return base << ((knobs >> kKnobPollShift) & 7); }
 
 struct EP {
