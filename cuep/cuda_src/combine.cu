@@ -140,8 +140,6 @@ __device__ __forceinline__ void store8f(TC* p, const float (&v)[8]) {
     }
 }
 
-__device__ __forceinline__ int n_dest_ranks(const EP& ep) { return ep[P_SKIP_A2A] ? 1 : static_cast<int>(ep[P_N_RANKS]); }
-__device__ __forceinline__ int dest_rank(const EP& ep, int d) { return ep[P_SKIP_A2A] ? static_cast<int>(ep[P_RANK]) : d; }
 
 // ---- readiness: when may a rank send round q to this one? -------------------------------------------------
 // Parity slots: a partial-sum round (kPartial) whose partials fit twice in a token's K slots (2 x destination ranks

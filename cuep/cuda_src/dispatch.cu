@@ -162,9 +162,9 @@ __device__ __forceinline__ uint64_t tally_entry(int round, int value) {
 // Publish [hist | num_tokens | n_msgs[dest]] of this round to every destination (all threads of the block).
 __device__ void publish_tallies(const EP& ep, int round, const int* hist, int num_tokens, const int (&n_msgs)[8]) {
     const int E = static_cast<int>(ep[P_N_EXPERTS]), E1 = tally_len(ep), me = static_cast<int>(ep[P_SRC_INDEX]);
-    const int n_dest = ep[P_SKIP_A2A] ? 1 : static_cast<int>(ep[P_N_RANKS]);
+    const int n_dest = n_dest_ranks(ep);
     for (int d = 0; d < n_dest; ++d) {
-        const int r = ep[P_SKIP_A2A] ? static_cast<int>(ep[P_RANK]) : d;
+        const int r = dest_rank(ep, d);
         uint64_t* dst = tally_row(ep, r, round & 1, me);
         int msgs = 0;
 #pragma unroll
@@ -483,10 +483,10 @@ __device__ void small_bookkeeping(const EP& ep, const DispatchArgs& a, const Sma
 // Publish the book rows of a small round to every destination (all threads of the block; after the tallies).
 __device__ void publish_small_book(const EP& ep, const DispatchArgs& a, int round, const SmallBook& b) {
     const int K = static_cast<int>(ep[P_TOP_K]), me = static_cast<int>(ep[P_SRC_INDEX]);
-    const int n_dest = ep[P_SKIP_A2A] ? 1 : static_cast<int>(ep[P_N_RANKS]);
+    const int n_dest = n_dest_ranks(ep);
     const int stride = book_mask_words(ep), n_words = (a.num_tokens + 31) / 32, NK = a.num_tokens * K;
     for (int d = 0; d < n_dest; ++d) {
-        const int r = ep[P_SKIP_A2A] ? static_cast<int>(ep[P_RANK]) : d;
+        const int r = dest_rank(ep, d);
         uint64_t* row = book_row(ep, r, round & 1, me);
         for (int i = threadIdx.x; i < n_words; i += blockDim.x)
             store_relaxed_u64(row + i, tally_entry(round, static_cast<int>(b.words[r * stride + i])));
@@ -667,9 +667,9 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
         // 1. Every source's histogram of this round (also: every destination is ready for it).
         if (!load_tallies(ep, round, s_tally, K_DISPATCH_SEND, &s_ok)) return;
         CUEP_TRACE(ep, blockIdx.x == 0, 3);
-        const int n_dest = ep[P_SKIP_A2A] ? 1 : R;
+        const int n_dest = n_dest_ranks(ep);
         for (int d = 0; d < n_dest; ++d) {
-            const int r = ep[P_SKIP_A2A] ? rank : d;
+            const int r = dest_rank(ep, d);
             scan_rank_groups(ep, s_tally, r, s_scan, [&](int e, int, int start, int) {
                 s_base[e] = start + rows_before(ep, s_tally, me, e);
             });

@@ -129,6 +129,10 @@ struct EP {
     __device__ __forceinline__ ErrorRecord* err() const { return reinterpret_cast<ErrorRecord*>(p[P_ERR_PTR]); }
 };
 
+// The ranks a round writes to: every rank, or with skip_a2a only this one (d = 0). dest_rank(ep, d): the d-th.
+__device__ __forceinline__ int n_dest_ranks(const EP& ep) { return ep[P_SKIP_A2A] ? 1 : static_cast<int>(ep[P_N_RANKS]); }
+__device__ __forceinline__ int dest_rank(const EP& ep, int d) { return ep[P_SKIP_A2A] ? static_cast<int>(ep[P_RANK]) : d; }
+
 // Measurement knob (CUEP_EXTRA_DEFINES="CUEP_AB_TRACE=1"; off: no code): thread 0 of one block records the low
 // 32 bits of %globaltimer (ns) at the phase boundaries into 32 int32 counters after the histogram;
 // scripts/trace_ep.py reads them and lists the points (dispatch and combine share the 32 slots).
