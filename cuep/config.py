@@ -12,6 +12,7 @@ SMALL_BATCH_MAX_CHOICES = 8192  # small_batch_tokens x top_k: block 0's bookkeep
 SMALL_BATCH_MAX_EXPERTS = 1024  # n_experts: a token mask per expert in shared memory
 SMALL_BATCH_MAX_MASK_BYTES = 65536  # n_experts x ceil(small_batch_tokens / 32) x 4: those token masks
 COMBINE_DTYPES = {"bfloat16": 2, "float32": 4}
+COMBINE_POLL_TOKENS = 256  # tokens 0..255 of a bf16 partial-sum round in parity slots: the receiver polls the data
 
 
 def _positive_int(name: str, value) -> None:
@@ -189,6 +190,18 @@ class EPConfig:
         return 32 + self.n_experts + 32
 
     @property
+    def combine_poll_tokens(self) -> int:
+        """Tokens t < this of a combine round whose partial sums go to ``comb_poll`` instead of ``comb_recv``: there
+        the receiver polls the data itself (every 8-byte word starts as all ones, which no bf16 partial sum holds), so
+        no arrival count, and no system-scope fence before it, is on the round's critical path. Nonzero for a
+        bfloat16 combine whose partial sums fit in parity slots (2 x destination ranks <= top_k):
+        min(max_tokens_per_rank, 256)."""
+        n_dest = 1 if self.skip_a2a else self.n_ranks
+        if self.combine_dtype != "bfloat16" or 2 * n_dest > self.top_k:
+            return 0
+        return min(self.max_tokens_per_rank, COMBINE_POLL_TOKENS)
+
+    @property
     def small_book_len(self) -> int:
         """uint64 entries of a small round's book row (one per parity and source in each destination): the source's
         token mask for the destination (ceil(D / 32) words, D = small_batch_tokens), then each choice's expert and
@@ -223,7 +236,9 @@ class EPConfig:
         Peers also write ``stage`` ([2 parities, sources, small_batch_tokens, :attr:`stage_record_bytes`]: the
         messages of small rounds, record t for token t (metadata record, chunk flags, payload), which the receiver copies
         to their rows; then uint64 [2 parities, sources, :attr:`small_book_len`]: each source's book row, stamped
-        like the tally).
+        like the tally). Peers write ``comb_poll`` (bf16 [2 parities, :attr:`combine_poll_tokens`, destination ranks,
+        H]: the partial sums of a round's first tokens, polled by the receiver, which sets what it read back to all
+        ones; empty when the combine cannot use it).
         There is no send buffer: a token is encoded once, in shared memory, and stored straight into each
         destination over NVLink.
         """
@@ -235,7 +250,8 @@ class EPConfig:
                  ("comb_ready", 8 * 2 * self.n_ranks), ("comb_arrived", 4 * 2 * T * 32),
                  ("counters", 4 * self.n_counters),
                  ("scratch", 4 * T * (self.top_k + 8 + 1)),
-                 ("stage", 2 * S * (self.small_batch_tokens * self.stage_record_bytes + 8 * self.small_book_len))]
+                 ("stage", 2 * S * (self.small_batch_tokens * self.stage_record_bytes + 8 * self.small_book_len)),
+                 ("comb_poll", 2 * self.combine_poll_tokens * (1 if self.skip_a2a else self.n_ranks) * self.hidden * 2)]
         out, off = {}, 0
         for name, size in sizes:
             out[name] = (off, size)

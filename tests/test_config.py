@@ -123,6 +123,41 @@ def test_combine_regions_hold_two_parities():
     assert all(off % 256 == 0 for off, _ in regions.values())
 
 
+@pytest.mark.parametrize("kwargs, want", [
+    (dict(), 256),                                              # 4 ranks, K = 8: parity slots, bf16
+    (dict(max_tokens_per_rank=128), 128),                       # capped at T
+    (dict(combine_dtype="float32"), 0),                         # polled words are bf16 only
+    (dict(n_gpus_per_node=8, n_experts=256), 0),                # 2 x 8 ranks > K: no parity slots
+    (dict(n_gpus_per_node=8, n_experts=256, skip_a2a=True), 256),  # skip_a2a: one destination rank
+])
+def test_combine_poll_region(kwargs, want):
+    """comb_poll holds bf16 [2 parities, combine_poll_tokens, destination ranks, H] (empty when the combine cannot
+    poll), and the kernels find its offset and token count in the parameter block."""
+    from cuep.buffer import PARAM_FIELDS
+
+    cfg = EPConfig(**{**STD, **kwargs})
+    assert cfg.combine_poll_tokens == want
+    n_dest = 1 if cfg.skip_a2a else cfg.n_ranks
+    assert cfg.buffer_regions["comb_poll"][1] == 2 * want * n_dest * cfg.hidden * 2
+    assert {"off_comb_poll", "poll_tokens"} <= set(PARAM_FIELDS)
+
+
+def test_no_bf16_partial_sum_is_the_not_landed_word():
+    """A polled receiver takes an 8-byte word of all ones as "not landed": no bf16 value the kernels write may be
+    0xFFFF. bf16 rounding as the kernels do it (ml_dtypes; NaN -> 0x7FC0 / 0xFFC0, overflow -> Inf) over every high
+    half of a float32 with the low halves that round differently."""
+    import ml_dtypes
+    import numpy as np
+
+    hi = np.arange(1 << 16, dtype=np.uint32) << 16
+    bits = (hi[:, None] | np.array([0, 0x7FFF, 0x8000, 0x8001, 0xFFFF], dtype=np.uint32)).ravel()
+    with np.errstate(invalid="ignore"):  # the NaN inputs
+        out = bits.view(np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
+    assert not (out == 0xFFFF).any()
+    nan = np.isnan(bits.view(np.float32))
+    assert set(np.unique(out[nan]).tolist()) == {0x7FC0, 0xFFC0}
+
+
 def test_memory_at_standard_shape_is_small():
     """The spec's receive layout needs ~15 GB at this shape; ours sizes by what can arrive."""
     cfg = EPConfig(**STD)

@@ -158,6 +158,47 @@ __device__ __forceinline__ int slot_base(const EP& ep, int mode, int round) {
     return parity_slots(ep, mode) ? n_dest_ranks(ep) * (round & 1) : 0;
 }
 
+// ---- polled partial sums: the receiver watches the data, not a count ------------------------------------------
+// A count behind the data needs a system-scope release before it (MEMBAR.SYS: 2.2 us of a 2-GPU decode combine,
+// with nothing of the warp outstanding), then travels to the receiver (3 us to be seen). Tokens t < P_POLL_TOKENS of
+// a bf16 round in parity slots skip both: their partial sums go to comb_poll, whose 8-byte words are all ones until
+// written (no bf16 partial sum holds 0xFFFF: bf16_encode turns NaN into 0x7FC0 / 0xFFC0). The sender stores each
+// 16-byte vector as two relaxed system-scope 8-byte words; an aligned 8-byte access is single-copy atomic, so a
+// receiver that reads a word other than all ones reads the whole word as written, in any order of the words, with no
+// fence on either side. The receiver sets each vector back to all ones once read: the slot's next writer (round
+// q + 2, same parity) waits for the readiness that this rank publishes at the start of round q + 1, after this launch.
+template <typename TC>
+__device__ __forceinline__ bool poll_token(const EP& ep, const CombineArgs& a, int t) {
+    return sizeof(TC) == 2 && t < ep[P_POLL_TOKENS] && parity_slots(ep, a.mode) && !(a.phases & kKnobCombineNoPoll);
+}
+// Slot j (the sender's position among the token's destination ranks) of token t's polled partial sums at rank r.
+__device__ __forceinline__ uint16_t* poll_slot(const EP& ep, int r, int round, int t, int j) {
+    const long long row = ((round & 1) * ep[P_POLL_TOKENS] + t) * n_dest_ranks(ep) + j;
+    return reinterpret_cast<uint16_t*>(ep.peer(r, ep[P_OFF_COMB_POLL])) + row * ep[P_HIDDEN];
+}
+constexpr unsigned long long kNotLanded = ~0ull;
+__device__ __forceinline__ void store8_polled(uint16_t* p, const float (&v)[8]) {
+    const unsigned long long lo = bf16x2_encode(v[0], v[1]) | static_cast<unsigned long long>(bf16x2_encode(v[2], v[3])) << 32;
+    const unsigned long long hi = bf16x2_encode(v[4], v[5]) | static_cast<unsigned long long>(bf16x2_encode(v[6], v[7])) << 32;
+    asm volatile("st.relaxed.sys.global.v2.b64 [%0], {%1, %2};" ::"l"(p), "l"(lo), "l"(hi) : "memory");
+}
+// This lane's vector of a polled slot once both its words have landed, as floats; then the vector is all ones again.
+// False on timeout or once the rank has failed.
+__device__ __forceinline__ bool take_polled(const EP& ep, uint16_t* p, float (&v)[8]) {
+    unsigned long long lo, hi;
+    SpinClock clock;
+    while (true) {
+        asm volatile("ld.relaxed.sys.global.v2.b64 {%0, %1}, [%2];" : "=l"(lo), "=l"(hi) : "l"(p) : "memory");
+        if (lo != kNotLanded && hi != kNotLanded) break;
+        if (clock.stop(ep, K_COMBINE_RECV, -1)) return false;
+        __nanosleep(32);
+    }
+    *reinterpret_cast<uint4*>(p) = make_uint4(~0u, ~0u, ~0u, ~0u);
+    bf16x8_values<false>(make_uint4(static_cast<uint32_t>(lo), static_cast<uint32_t>(lo >> 32),
+                                    static_cast<uint32_t>(hi), static_cast<uint32_t>(hi >> 32)), v);
+    return true;
+}
+
 // Tell every rank that sends to this one that it may send rounds < `value` ("any", or parity-slot readiness).
 // Threads 0..senders-1 of one block; a release, cumulative over the block barrier before it.
 __device__ __forceinline__ void publish_ready(const EP& ep, int value, bool parity) {
@@ -347,6 +388,15 @@ __device__ bool send_partials_ring(const EP& ep, const CombineArgs& a, int round
 #else
             const int r = ep[P_SKIP_A2A] ? rank : at.src;
 #endif
+            if (poll_token<TC>(ep, a, t)) {  // straight from registers, no count (the receiver polls the data)
+                uint16_t* pd = poll_slot(ep, r, round, t, at.j);
+                if (ca < at.c_end) store8_polled(pd + 8 * ca, acc_a);
+                if (cb < at.c_end) store8_polled(pd + 8 * cb, acc_b);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc_a[i] = acc_b[i] = 0.f;
+                advance(at);
+                continue;
+            }
             TC* dst = reinterpret_cast<TC*>(ep.peer(r, ep[P_OFF_COMB_RECV])) + (static_cast<long long>(t) * K + j) * H;
             if (lane == 0) bulk_wait_read();  // the previous slice has left the buffer
             __syncwarp();
@@ -499,6 +549,12 @@ __device__ bool send_items(const EP& ep, const CombineArgs& a, int round, int se
                         }
                     }
                 }
+                if (poll_token<TC>(ep, a, t)) {  // straight from registers, no count (the receiver polls the data)
+                    uint16_t* pd = poll_slot(ep, r, round, t, a.msg_j[mi]);
+                    if (ca < c_end) store8_polled(pd + 8 * ca, acc_a);
+                    if (cb < c_end) store8_polled(pd + 8 * cb, acc_b);
+                    continue;
+                }
                 // The slice [c0, min(c_end, c0 + 64)) vectors is contiguous in dst: stage it, one bulk store.
                 if (lane == 0) bulk_wait_read();  // the previous slice has left the buffer
                 __syncwarp();
@@ -602,14 +658,47 @@ __device__ void phase_recv(const EP& ep, const CombineArgs& a, int round, int* s
         // Wait until every slot of the token has landed: each is n_vec vectors (partials: one slot per
         // destination rank; rows: one per valid choice).
         const int n_slots = a.mode == kPartial ? n_partials : __popc(valid_mask);
-        if (!warp_wait_tag(arrived + static_cast<long long>(t) * kArrivedStride, n_slots * n_vec, ep, K_COMBINE_RECV, -1,
-                           lane)) {
+        const bool polled = poll_token<TC>(ep, a, t);
+        if (!polled && !warp_wait_tag(arrived + static_cast<long long>(t) * kArrivedStride, n_slots * n_vec, ep,
+                                      K_COMBINE_RECV, -1, lane)) {
             ok = false;
             break;
         }
-        CUEP_TRACE_LATEST(ep, lane == 0, 6);
+        CUEP_TRACE_LATEST(ep, lane == 0 && !polled, 6);
         const TC* slots = recv + (static_cast<long long>(t) * K + slots0) * H;
-        if (a.mode == kUnreduced) {
+        if (polled) {
+            // each 16-byte vector of the token's partial sums as soon as it has landed (in slot order, as below)
+            uint16_t* base = poll_slot(ep, static_cast<int>(ep[P_RANK]), round, t, 0);
+            bool lane_ok = true;
+            for (int c = c_begin + lane; lane_ok && c < c_end; c += kWarp) {
+                float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+                for (int j = 0; lane_ok && j < n_partials; ++j) {
+                    float v[8];
+                    lane_ok = take_polled(ep, base + static_cast<long long>(j) * H + 8 * c, v);
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) acc[i] += v[i];
+                }
+                if (!lane_ok) break;
+                if (shared) {
+                    float v[8];
+                    load8f(eo + static_cast<long long>(t) * H + 8 * c, v);
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) acc[i] += v[i];
+                }
+                if (res) {
+                    float v[8];
+                    load8f(res + static_cast<long long>(t) * H + 8 * c, v);
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) acc[i] += v[i];
+                }
+                store8f(out + static_cast<long long>(t) * H + 8 * c, acc);
+            }
+            CUEP_TRACE_LATEST(ep, lane == 0, 6);
+            if (!__all_sync(0xffffffffu, lane_ok)) {
+                ok = false;
+                break;
+            }
+        } else if (a.mode == kUnreduced) {
             const int width = K + (shared ? 1 : 0);
             TC* o = out + static_cast<long long>(t) * width * H;
             const int span = c_end - c_begin;

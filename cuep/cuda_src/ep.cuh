@@ -47,6 +47,8 @@ enum Param : int {
     P_OFF_COUNTERS,
     P_OFF_SCRATCH,      // private: per-choice slots [T, K], per-(token, rank) message slots [T, 8], rank masks [T]
     P_OFF_STAGE,        // small rounds' messages [2 parities, n_src, small_tokens] x (meta | payload)
+    P_OFF_COMB_POLL,    // bf16 partial sums of tokens < P_POLL_TOKENS [2 parities, P_POLL_TOKENS, dest ranks, H]
+    P_POLL_TOKENS,      // EPConfig.combine_poll_tokens (0: no comb_poll)
     P_TIMEOUT_NS,
     P_ERR_PTR,          // ErrorRecord* in host-mapped memory
     P_PEER_BASE,        // 8 entries: base address of each rank's symmetric buffer
@@ -116,6 +118,7 @@ constexpr int kKnobNoEarlyLoads = 1 << 21;  // dispatch / combine: no loads issu
 constexpr int kKnobCombineRelaxedCount = 1 << 22;
 constexpr int kKnobDispatchNoFence = 1 << 23;
 constexpr int kKnobCombineSysLocal = 1 << 24;  // combine: a system-scope release before local arrival counts too
+constexpr int kKnobCombineNoPoll = 1 << 25;  // combine: no polled partial sums (comb_poll): every token counts arrivals
 __device__ __forceinline__ unsigned poll_sleep_ns(int knobs, unsigned base) { return base << ((knobs >> kKnobPollShift) & 7); }
 
 struct EP {
