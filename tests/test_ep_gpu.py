@@ -79,6 +79,35 @@ def test_few_sms_move_whole_tokens_per_warp(devices, fmt, rng):
 
 
 @pytest.mark.parametrize("devices", groups())
+def test_polled_and_counted_partial_sums(devices, rng):
+    # bf16 partial sums in parity slots: tokens t < 256 (combine_poll_tokens) go to comb_poll, where the receiver
+    # polls the data, and later tokens to comb_recv behind arrival counts, in the same round; a weighted round (rows
+    # behind counts) in between, rounds of both parities (the receiver resets what it polled), and a round with the
+    # polling off (kKnobCombineNoPoll: every token counted)
+    import re
+
+    from cuep import _kernels, ep as ep_mod
+
+    cfg, buf = make(devices, hidden=256, dispatch_format="bf16", max_tokens_per_rank=320, n_experts=32,
+                    small_batch_tokens=16)
+    R = len(devices)
+    assert cfg.combine_poll_tokens == (256 if 2 * R <= cfg.top_k else 0)
+    n = [320 if r == R - 1 else int(rng.integers(200, 321)) for r in range(R)]
+    run_round(buf, cfg, rng, n)
+    run_round(buf, cfg, rng, n, weights_at="combine")
+    run_round(buf, cfg, rng, [int(rng.integers(1, 321)) for _ in range(R)], skew=True)
+    saved = ep_mod._KNOBS
+    try:
+        shift = re.search(r"kKnobCombineNoPoll = 1 << (\d+);", (_kernels.SRC_DIR / "ep.cuh").read_text()).group(1)
+        ep_mod._KNOBS = 1 << int(shift)
+        run_round(buf, cfg, rng, n)
+    finally:
+        ep_mod._KNOBS = saved
+    run_round(buf, cfg, rng, [16] * R)  # staged dispatch, every token polled
+    run_round(buf, cfg, rng, n, residual=True)
+
+
+@pytest.mark.parametrize("devices", groups())
 def test_hundred_rounds_with_changing_routing(devices, rng):
     # small rounds (<= 16 tokens, staged) and large ones (direct) mixed from round to round and rank to rank
     cfg, buf = make(devices, hidden=256, dispatch_format="fp8", max_tokens_per_rank=32, n_experts=16,
