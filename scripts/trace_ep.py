@@ -34,7 +34,8 @@ POINTS = {
 
 
 # the combine's own meaning of points that the dispatch uses too (the two kernels' traces are read apart)
-COMBINE_POINTS = {4: "send: latest warp's last store issued", 9: "send: latest warp's stores complete"}
+COMBINE_POINTS = {4: "send: latest warp's last store issued", 9: "send: latest warp's stores complete",
+                  6: "recv: latest warp's slots landed (polled: summed)"}
 
 
 def read_trace(buf, r):

@@ -10,9 +10,11 @@
 //                         destination ranks
 //             kWeighted / kUnreduced  one row per (token, k) into slot k
 //           every piece of data, once its stores are complete, adds its 16-byte vector count to the destination's
-//           comb_arrived[round & 1][t]
-//   recv    tokens in order, each as soon as its comb_arrived count says all its slots have landed (so in a fused
-//           launch the sums overlap the incoming stream): out[t] = the sum of the slots (weighted by
+//           comb_arrived[round & 1][t]; except that the bf16 partial sums of tokens t < P_POLL_TOKENS in parity
+//           slots go to comb_poll with no count (the receiver polls the data: "polled partial sums" below)
+//   recv    tokens in order, each as soon as its comb_arrived count says all its slots have landed (polled tokens:
+//           each vector as it lands; so in a fused launch the sums overlap the incoming stream): out[t] = the sum
+//           of the slots (weighted by
 //           topk_weights in kWeighted), plus the shared expert's row and the residual; or the unreduced
 //           [N, K(+1), H]. Outside parity slots the last block then lets the next round in.
 #include "ep.cuh"
