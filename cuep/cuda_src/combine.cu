@@ -14,9 +14,8 @@
 //           slots go to comb_poll with no count (the receiver polls the data: "polled partial sums" below)
 //   recv    tokens in order, each as soon as its comb_arrived count says all its slots have landed (polled tokens:
 //           each vector as it lands; so in a fused launch the sums overlap the incoming stream): out[t] = the sum
-//           of the slots (weighted by
-//           topk_weights in kWeighted), plus the shared expert's row and the residual; or the unreduced
-//           [N, K(+1), H]. Outside parity slots the last block then lets the next round in.
+//           of the slots (weighted by topk_weights in kWeighted), plus the shared expert's row and the residual;
+//           or the unreduced [N, K(+1), H]. Outside parity slots the last block then lets the next round in.
 #include "ep.cuh"
 #include "formats.cuh"
 
@@ -142,7 +141,6 @@ __device__ __forceinline__ void store8f(TC* p, const float (&v)[8]) {
     }
 }
 
-
 // ---- readiness: when may a rank send round q to this one? -------------------------------------------------
 // Parity slots: a partial-sum round (kPartial) whose partials fit twice in a token's K slots (2 x destination ranks
 // <= top_k) puts round q's partial j of token t in slot j + D x (q & 1), D = destination ranks. Two rounds in a
@@ -180,8 +178,9 @@ __device__ __forceinline__ uint16_t* poll_slot(const EP& ep, int r, int round, i
 }
 constexpr unsigned long long kNotLanded = ~0ull;
 __device__ __forceinline__ void store8_polled(uint16_t* p, const float (&v)[8]) {
-    const unsigned long long lo = bf16x2_encode(v[0], v[1]) | static_cast<unsigned long long>(bf16x2_encode(v[2], v[3])) << 32;
-    const unsigned long long hi = bf16x2_encode(v[4], v[5]) | static_cast<unsigned long long>(bf16x2_encode(v[6], v[7])) << 32;
+    using u64 = unsigned long long;
+    const u64 lo = bf16x2_encode(v[0], v[1]) | static_cast<u64>(bf16x2_encode(v[2], v[3])) << 32;
+    const u64 hi = bf16x2_encode(v[4], v[5]) | static_cast<u64>(bf16x2_encode(v[6], v[7])) << 32;
     asm volatile("st.relaxed.sys.global.v2.b64 [%0], {%1, %2};" ::"l"(p), "l"(lo), "l"(hi) : "memory");
 }
 // This lane's vector of a polled slot once both its words have landed, as floats; then the vector is all ones again.
@@ -496,6 +495,8 @@ __device__ bool send_items(const EP& ep, const CombineArgs& a, int round, int se
             }
         }
         Arrivals arrivals;  // lane 0's
+        arrivals.relaxed = (a.phases & kKnobCombineRelaxedCount) != 0;
+        arrivals.sys_local = (a.phases & kKnobCombineSysLocal) != 0;
         for (int item = warp0; !done && item < order.n_items; item += warp_stride) {
             int s, i, ch;
             if (!order.at(item, s, i, ch)) continue;
@@ -674,9 +675,12 @@ __device__ void phase_recv(const EP& ep, const CombineArgs& a, int round, int* s
             bool lane_ok = true;
             for (int c = c_begin + lane; lane_ok && c < c_end; c += kWarp) {
                 float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-                for (int j = 0; lane_ok && j < n_partials; ++j) {
+                for (int j = 0; j < n_partials; ++j) {
                     float v[8];
-                    lane_ok = take_polled(ep, base + static_cast<long long>(j) * H + 8 * c, v);
+                    if (!take_polled(ep, base + static_cast<long long>(j) * H + 8 * c, v)) {
+                        lane_ok = false;
+                        break;
+                    }
 #pragma unroll
                     for (int i = 0; i < 8; ++i) acc[i] += v[i];
                 }

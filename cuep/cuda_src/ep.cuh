@@ -118,7 +118,7 @@ constexpr int kKnobNoEarlyLoads = 1 << 21;  // dispatch / combine: no loads issu
 constexpr int kKnobCombineRelaxedCount = 1 << 22;
 constexpr int kKnobDispatchNoFence = 1 << 23;
 constexpr int kKnobCombineSysLocal = 1 << 24;  // combine: a system-scope release before local arrival counts too
-constexpr int kKnobCombineNoPoll = 1 << 25;  // combine: no polled partial sums (comb_poll): every token counts arrivals
+constexpr int kKnobCombineNoPoll = 1 << 25;    // combine: no polled partial sums (comb_poll): every token counted
 __device__ __forceinline__ unsigned poll_sleep_ns(int knobs, unsigned base) { return base << ((knobs >> kKnobPollShift) & 7); }
 
 struct EP {
@@ -133,8 +133,12 @@ struct EP {
 };
 
 // The ranks a round writes to: every rank, or with skip_a2a only this one (d = 0). dest_rank(ep, d): the d-th.
-__device__ __forceinline__ int n_dest_ranks(const EP& ep) { return ep[P_SKIP_A2A] ? 1 : static_cast<int>(ep[P_N_RANKS]); }
-__device__ __forceinline__ int dest_rank(const EP& ep, int d) { return ep[P_SKIP_A2A] ? static_cast<int>(ep[P_RANK]) : d; }
+__device__ __forceinline__ int n_dest_ranks(const EP& ep) {
+    return ep[P_SKIP_A2A] ? 1 : static_cast<int>(ep[P_N_RANKS]);
+}
+__device__ __forceinline__ int dest_rank(const EP& ep, int d) {
+    return ep[P_SKIP_A2A] ? static_cast<int>(ep[P_RANK]) : d;
+}
 
 // Measurement knob (CUEP_EXTRA_DEFINES="CUEP_AB_TRACE=1"; off: no code): thread 0 of one block records the low
 // 32 bits of %globaltimer (ns) at the phase boundaries into 32 int32 counters after the histogram;
