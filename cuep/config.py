@@ -196,10 +196,14 @@ class EPConfig:
         no arrival count, and no system-scope fence before it, is on the round's critical path. Nonzero for a
         bfloat16 combine whose partial sums fit in parity slots (2 x destination ranks <= top_k):
         min(max_tokens_per_rank, 256)."""
-        n_dest = 1 if self.skip_a2a else self.n_ranks
-        if self.combine_dtype != "bfloat16" or 2 * n_dest > self.top_k:
+        if self.combine_dtype != "bfloat16" or 2 * self.combine_dest_ranks > self.top_k:
             return 0
         return min(self.max_tokens_per_rank, COMBINE_POLL_TOKENS)
+
+    @property
+    def combine_dest_ranks(self) -> int:
+        """Ranks a combine sends partial sums to: every rank, or only itself with ``skip_a2a``."""
+        return 1 if self.skip_a2a else self.n_ranks
 
     @property
     def small_book_len(self) -> int:
@@ -251,7 +255,7 @@ class EPConfig:
                  ("counters", 4 * self.n_counters),
                  ("scratch", 4 * T * (self.top_k + 8 + 1)),
                  ("stage", 2 * S * (self.small_batch_tokens * self.stage_record_bytes + 8 * self.small_book_len)),
-                 ("comb_poll", 2 * self.combine_poll_tokens * (1 if self.skip_a2a else self.n_ranks) * self.hidden * 2)]
+                 ("comb_poll", 2 * self.combine_poll_tokens * self.combine_dest_ranks * self.hidden * 2)]
         out, off = {}, 0
         for name, size in sizes:
             out[name] = (off, size)
