@@ -645,6 +645,22 @@ __device__ void phase_recv(const EP& ep, const CombineArgs& a, int round, int* s
         if (static_item >= -1) return prev == -2 ? static_item : a.num_tokens * n_chunks;  // one item, then done
         return __shfl_sync(0xffffffffu, lane == 0 ? atomicAdd(next_item, 1) : 0, 0);
     };
+    // out[t] vector c = acc (the summed slots) + the shared expert's row + the residual
+    auto finish_vector = [&](int t, int c, float (&acc)[8]) {
+        if (shared) {
+            float v[8];
+            load8f(eo + static_cast<long long>(t) * H + 8 * c, v);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[i] += v[i];
+        }
+        if (res) {
+            float v[8];
+            load8f(res + static_cast<long long>(t) * H + 8 * c, v);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[i] += v[i];
+        }
+        store8f(out + static_cast<long long>(t) * H + 8 * c, acc);
+    };
     (void)n_warps;
     bool ok = true;
     for (int item = claim(-2); item >= 0 && item < a.num_tokens * n_chunks; item = claim(item)) {
@@ -685,19 +701,7 @@ __device__ void phase_recv(const EP& ep, const CombineArgs& a, int round, int* s
                     for (int i = 0; i < 8; ++i) acc[i] += v[i];
                 }
                 if (!lane_ok) break;
-                if (shared) {
-                    float v[8];
-                    load8f(eo + static_cast<long long>(t) * H + 8 * c, v);
-#pragma unroll
-                    for (int i = 0; i < 8; ++i) acc[i] += v[i];
-                }
-                if (res) {
-                    float v[8];
-                    load8f(res + static_cast<long long>(t) * H + 8 * c, v);
-#pragma unroll
-                    for (int i = 0; i < 8; ++i) acc[i] += v[i];
-                }
-                store8f(out + static_cast<long long>(t) * H + 8 * c, acc);
+                finish_vector(t, c, acc);
             }
             CUEP_TRACE_LATEST(ep, lane == 0, 6);
             if (!__all_sync(0xffffffffu, lane_ok)) {
@@ -746,19 +750,7 @@ __device__ void phase_recv(const EP& ep, const CombineArgs& a, int round, int* s
                     }
                 }
                 if (c >= c_end) continue;
-                if (shared) {
-                    float v[8];
-                    load8f(eo + static_cast<long long>(t) * H + 8 * c, v);
-#pragma unroll
-                    for (int i = 0; i < 8; ++i) acc[i] += v[i];
-                }
-                if (res) {
-                    float v[8];
-                    load8f(res + static_cast<long long>(t) * H + 8 * c, v);
-#pragma unroll
-                    for (int i = 0; i < 8; ++i) acc[i] += v[i];
-                }
-                store8f(out + static_cast<long long>(t) * H + 8 * c, acc);
+                finish_vector(t, c, acc);
             }
         }
     }
