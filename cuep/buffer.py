@@ -262,7 +262,7 @@ class Buffer:
             with cupy.cuda.Device(r.device):
                 cupy.cuda.Device().synchronize()
                 rt = cupy.cuda.runtime
-                # meta holds the per-message ready tags (round + 1): stale ones must not match a restarted round
+                # meta holds the per-message chunk flags (round stamps): stale ones must not match a restarted round
                 for name in ("meta", "tally", "comb_ready", "comb_arrived", "counters", "stage"):
                     off, size = reg[name]
                     rt.memset(r.base + off, 0, size)

@@ -12,6 +12,7 @@ SMALL_BATCH_MAX_CHOICES = 8192  # small_batch_tokens x top_k: block 0's bookkeep
 SMALL_BATCH_MAX_EXPERTS = 1024  # n_experts: a token mask per expert in shared memory
 SMALL_BATCH_MAX_MASK_BYTES = 65536  # n_experts x ceil(small_batch_tokens / 32) x 4: those token masks
 COMBINE_DTYPES = {"bfloat16": 2, "float32": 4}
+NOTIFY_RANGES = 256  # ep.cuh kNotifyRanges: a large dispatch round's notify numbers messages in this many token ranges
 COMBINE_POLL_TOKENS = 256  # tokens 0..255 of a bf16 partial-sum round in parity slots: the receiver polls the data
 
 
@@ -215,8 +216,9 @@ class EPConfig:
 
     @property
     def stage_flag_bytes(self) -> int:
-        """Bytes of a staging record's chunk flags: one uint32 per 256-value span of the hidden size (a small round's
-        sender stores a token in at most that many chunks, each of which sets its own flag), 16-byte aligned."""
+        """Bytes of a message's chunk flags (after its metadata in a staging record or a ``meta`` record): one uint32
+        per 256-value span of the hidden size (a sender stores a token in at most that many chunks, each of which
+        sets its own flag), 16-byte aligned."""
         return align_up(4 * -(-self.hidden // 256), 16)
 
     @property
@@ -229,14 +231,17 @@ class EPConfig:
         """Byte (offset, size) of every region of one rank's symmetric allocation, identical on every rank.
 
         Peers write: ``tokens`` (the dispatch output rows, [capacity, payload]), ``meta`` ([sources, T,
-        meta_bytes]: one record per message, with a ready tag), ``tally`` (uint64 [2 parities, sources, E + 2]:
+        meta_bytes + stage_flag_bytes]: one record per message of a large round, metadata then chunk flags),
+        ``tally`` (uint64 [2 parities, sources, E + 2]:
         each source's expert histogram, token count and message count for this rank, each entry stamped with
         round + 1 in its high 32 bits), ``comb_recv`` ([T, K, H] in the combine dtype),
         ``comb_ready`` (uint64 [2, R]: from each rank, the combine rounds it lets in: any kind, then partial-sum
         rounds in parity slots), ``comb_arrived`` (int32 [2 parities, T, 32]: 16-byte vectors of combine data landed per
         token and round, one counter per 128-byte line; the receiver re-arms a parity one round ahead).
         ``counters`` (int32) and ``scratch`` (int32 [T, K] slots of each choice in its (expert, source) block,
-        [T, 8] message slot per (token, destination), [T] destination ranks of each token) are private to the rank.
+        [T, 8] message slot per (token, destination) inside the token's range, [T] destination ranks of each token,
+        [NOTIFY_RANGES, 8] first message slot of each token range per destination, then the range length) are
+        private to the rank.
         Peers also write ``stage`` ([2 parities, sources, small_batch_tokens, :attr:`stage_record_bytes`]: the
         messages of small rounds, record t for token t (metadata record, chunk flags, payload), which the receiver copies
         to their rows; then uint64 [2 parities, sources, :attr:`small_book_len`]: each source's book row, stamped
@@ -249,11 +254,11 @@ class EPConfig:
         S, E, T = self.n_source_ranks, self.n_experts, self.max_tokens_per_rank
         sizes = [("tokens", self.capacity * self.payload_bytes),
                  ("comb_recv", T * self.top_k * self.hidden * self.combine_itemsize),
-                 ("meta", S * T * self.message.meta_bytes),
+                 ("meta", S * T * (self.message.meta_bytes + self.stage_flag_bytes)),
                  ("tally", 8 * 2 * S * (E + 2)),
                  ("comb_ready", 8 * 2 * self.n_ranks), ("comb_arrived", 4 * 2 * T * 32),
                  ("counters", 4 * self.n_counters),
-                 ("scratch", 4 * T * (self.top_k + 8 + 1)),
+                 ("scratch", 4 * (T * (self.top_k + 8 + 1) + NOTIFY_RANGES * 8 + 1)),
                  ("stage", 2 * S * (self.small_batch_tokens * self.stage_record_bytes + 8 * self.small_book_len)),
                  ("comb_poll", 2 * self.combine_poll_tokens * self.combine_dest_ranks * self.hidden * 2)]
         out, off = {}, 0

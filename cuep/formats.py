@@ -124,8 +124,9 @@ class MessageLayout:
 
     The payload (``payload_bytes``) is stored straight into the destination's expert-major ``tokens`` output, at
     the row of the first local expert the token chose there; the receiver copies it to the rows of its other
-    local experts. The metadata record goes to the destination's ``meta[source rank, slot]`` and reads:
-    ``header (src token index int32, ready tag int32 = round + 1, 16 B) | topk_ids uint16 x K |
+    local experts. The metadata record goes to the destination's ``meta[source rank, slot]`` (followed there by
+    the message's chunk flags, :attr:`cuep.EPConfig.stage_flag_bytes`) and reads:
+    ``header (src token index int32, 16 B) | topk_ids uint16 x K |
     topk_weights float32 x K |
     topk_rows int32 x K (destination row of each choice, -1 if on another rank) | scales (format's scale bytes)``.
     Every part starts on a 16-byte boundary.

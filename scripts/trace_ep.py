@@ -23,7 +23,7 @@ POINTS = {
     22: "small notify: destinations ready (after the book)", 18: "small book: ids loaded",
     19: "small book: validity and masks", 21: "small book: positions and histogram",
     28: "send: latest block's items start", 23: "send: latest warp's items done",
-    29: "recv: latest block's layout done", 24: "recv: latest warp's ready tag seen",
+    29: "recv: latest block's layout done", 24: "recv: latest warp's chunk flags seen",
     25: "recv: latest warp's item done", 26: "recv: latest block done (before the count)",
     27: "recv: last block counted (before re-arming)",
     12: "combine entry (block 0)", 13: "send: destinations ready (block 0)", 14: "send: block 0's items done",
@@ -34,6 +34,8 @@ POINTS = {
 
 
 # the combine's own meaning of points that the dispatch uses too (the two kernels' traces are read apart)
+DISPATCH_POINTS = {6: "notify: latest block's tokens done", 11: "notify: last block entered (grid barrier)",
+                   12: "notify: message slots assigned (last block)"}
 COMBINE_POINTS = {4: "send: latest warp's last store issued", 9: "send: latest warp's stores complete",
                   6: "recv: latest warp's slots landed (polled: summed)"}
 
@@ -83,7 +85,7 @@ def main():
     gate.close()
     print(f"{g.n_ranks} GPUs, N={a.tokens}, {a.format}: median us after the kernel's first point, per rank")
     print(f"{'point':45s}" + "".join(f"  rank {r.rank:d}" for r in buf._ranks))
-    for op, first, pts in (("d", 0, [0, 18, 19, 21, 1, 22] + [2, 3, 4, 28, 5, 23, 7, 29, 24, 8, 25, 9, 26, 27, 10]), ("c", 12, [12, 13, 30, 31, 14, 4, 9, 11, 15, 6, 16, 20, 17])):
+    for op, first, pts in (("d", 0, [0, 18, 19, 21, 1, 6, 11, 12, 22] + [2, 3, 4, 28, 5, 23, 7, 29, 24, 8, 25, 9, 26]), ("c", 12, [12, 13, 30, 31, 14, 4, 9, 11, 15, 6, 16, 20, 17])):
         for k in pts:
             row = []
             for r in buf._ranks:
@@ -91,7 +93,7 @@ def main():
                 dt = ((ts[:, k] - ts[:, first]) & 0xFFFFFFFF).astype(np.int64)
                 ok = ts[:, k] != 0
                 row.append(f"{np.median(dt[ok]) / 1e3:8.1f}" if ok.any() else "       -")
-            name = COMBINE_POINTS.get(k, POINTS[k]) if op == "c" else POINTS[k]
+            name = COMBINE_POINTS.get(k, POINTS[k]) if op == "c" else DISPATCH_POINTS.get(k, POINTS[k])
             print(f"{k:2d} {name:42s}" + "".join(row))
 
 

@@ -97,6 +97,12 @@ def _cuh_constants(text: str) -> dict[str, str]:
 def test_header_constants_match_python():
     common = _cuh_constants((_kernels.SRC_DIR / "common.cuh").read_text())
     assert int(common["kAlign"]) == formats.ALIGN
+    from cuep import config
+
+    ep_h = _cuh_constants((_kernels.SRC_DIR / "ep.cuh").read_text())
+    assert int(ep_h["kNotifyRanges"]) == config.NOTIFY_RANGES  # sizes the dispatch scratch
+    assert int(ep_h["kNotifyRanges"]) % 32 == 0  # the last notify block scans them a warp at a time
+    assert int(ep_h["kMaxRanks"]) == config.MAX_GPUS_PER_NODE
 
 
 def test_phase_and_knob_bits_are_apart():
@@ -114,8 +120,10 @@ def test_phase_and_knob_bits_are_apart():
     assert sum(bits) == 15 and all(b < 0x100 for b in bits)  # four distinct bits of the low byte
     masks = [v for k, v in knobs.items() if not k.endswith("Shift")]
     assert len(set(masks)) == len(masks) and all(m & (m - 1) == 0 and m >= 0x100 for m in masks), knobs
-    # the share (bits 10-14) and poll (16-18) fields hold none of the single-bit knobs
-    fields = (0x1F << value(c["kKnobSmallSendShift"])) | (0x7 << value(c["kKnobPollShift"]))
+    # the share (bits 10-14, 27-29) and poll (16-18) fields hold none of the single-bit knobs
+    fields = (0x1F << value(c["kKnobSmallSendShift"])) | (0x7 << value(c["kKnobPollShift"])) | (
+        0x7 << value(c["kKnobRecvShareShift"]))
+    assert fields < 2**31
     assert not any(m & fields for m in masks), knobs
 
 
@@ -184,8 +192,6 @@ def test_tuning_value_follows_extra_defines(monkeypatch):
 # machine never starts with a broken build.
 KNOBS = [
     ("dispatch.cu", "CUEP_AB_TRACE=1"),
-    ("dispatch.cu", "CUEP_RECV_BLOCK_DIV=0"),
-    ("dispatch.cu", "CUEP_RECV_BLOCK_DIV=4"),
     ("dispatch.cu", "CUEP_DISPATCH_ENCODE_STEPS=1"),
     ("combine.cu", "CUEP_AB_TRACE=1"),
     ("combine.cu", "CUEP_AB_COMBINE_LOCAL=1"),

@@ -64,7 +64,7 @@ def test_derived_sizes(fmt, shared, skip):
     assert m.topk_rows_offset >= m.topk_weights_offset + 4 * K and m.scales_offset >= m.topk_rows_offset + 4 * K
     assert m.meta_bytes >= m.scales_offset + m.scale_bytes and m.nbytes == m.payload_bytes + m.meta_bytes
     assert cfg.buffer_regions["tokens"][1] == cfg.capacity * m.payload_bytes
-    assert cfg.buffer_regions["meta"][1] == src * T * m.meta_bytes
+    assert cfg.buffer_regions["meta"][1] == src * T * (m.meta_bytes + cfg.stage_flag_bytes)
     assert cfg.total_bytes == cfg.buffer_bytes + cfg.output_bytes
     regions = sorted(cfg.buffer_regions.values())
     for (o1, s1), (o2, _) in zip(regions, regions[1:]):

@@ -807,9 +807,11 @@ __device__ void combine_kernel(const EPParams& params, const CombineArgs& a, int
 #ifndef CUEP_COMBINE_RECV_BLOCK_DIV
 #define CUEP_COMBINE_RECV_BLOCK_DIV 0
 #endif
-    if (phases & kPhaseSend)
-        phase_send<TC>(ep, a, round, send_block_count(phases, CUEP_COMBINE_RECV_BLOCK_DIV),
-                       early ? s_early_count : nullptr);
+    const int knob_recv_eighths = (phases >> kKnobRecvShareShift) & 7;  // (knob: v/8 of the blocks only receive)
+    const int send_blocks = knob_recv_eighths && (phases & kPhaseRecv) && (phases & kPhaseSend)
+                                ? static_cast<int>(gridDim.x) - static_cast<int>(gridDim.x) * knob_recv_eighths / 8
+                                : send_block_count(phases, CUEP_COMBINE_RECV_BLOCK_DIV);
+    if (phases & kPhaseSend) phase_send<TC>(ep, a, round, send_blocks, early ? s_early_count : nullptr);
     if ((phases & kPhaseNotify) && (phases & kPhaseSend) && blockIdx.x == 0) publish_parity_ready(ep, round, a.mode);
     if (phases & kPhaseRecv) phase_recv<TC>(ep, a, recv_round, &s_flag);
     // The block that entered last advances the rounds of the phases this launch ran.

@@ -10,9 +10,9 @@
 //           consumed)
 //   send    wait for every rank's histogram, derive every destination's row layout, then one warp per token:
 //           encode it once (shared memory, or straight from x for bf16), store it to each destination rank, and
-//           set the message's ready tag last
+//           set the message's chunk flags last
 //   recv    lay out row_offsets / expert_ids / scales_offsets from the histograms alone, then place each message
-//           as its ready tag lands (metadata, scales, copies to the token's other local experts) and zero the
+//           as its chunk flags land (metadata, scales, copies to the token's other local experts) and zero the
 //           padding; the copies overlap the incoming stream
 // A small round (decode: at most small_batch_tokens tokens on this rank) skips notify's atomics and grid barrier and
 // the wait for every rank's histogram: the send warps store each token at once to its own slot of a staging area at
@@ -86,28 +86,15 @@ __device__ void place_row_scales(const EP& ep, const DispatchArgs& a, long long 
     }
 }
 
-// ---- message ready tags ----------------------------------------------------------------------------------
-// A message (one token for one destination) may be sent by several warps, one per chunk. Each chunk, after its
-// stores, adds to the message's 32-bit tag (system-scope fence, then the add): chunk 0 adds the round's stamp (bits
-// 16-31) and the chunk count (bits 8-15), every chunk adds 1 (bits 0-7). The message is complete when the stamp
-// is this round's and the count of chunks that landed equals the chunk count. The receiver re-arms the tags
-// (zero) at the end of its round, before it publishes the next round's histogram, so no sender adds to a tag
-// that is not zero-based.
-// A small round's staged record has a flag per chunk instead (chunk_flag: the round's stamp and the chunk count,
-// one store after the fence), which nothing re-arms: a stale flag carries an older round's stamp. So a round in
-// which every source was staged ends without an end-of-round count (phase_recv).
+// ---- message chunk flags --------------------------------------------------------------------------------
+// A message (one token for one destination) may be sent by several warps, one per chunk. Every record (a large
+// round's metadata record, a small round's staging record) has a flag per chunk: after its stores and a
+// system-scope fence, each chunk stores chunk_flag (the round's stamp and the chunk count). The message is complete
+// when flag 0 carries this round's stamp and the chunk count n, and flags 1..n-1 the stamp. Nothing re-arms the
+// flags (a stale flag carries an older round's stamp), so no round has an end-of-round count or a last block.
+// (Large rounds had a 32-bit tag that every chunk added to, re-armed by the receive phase's last block: the count and
+// the re-arm took the last 8 us of a 2 x H200 N = 4096 dispatch.)
 constexpr int kMaxChunks = 255;
-__device__ __forceinline__ unsigned message_stamp(int round) { return (static_cast<unsigned>(round) & 0x7FFFu) + 1u; }
-
-// After a system-scope fence that orders the chunk's stores before it.
-__device__ __forceinline__ void message_tag_add(int* tag, int round, int chunk, int n_chunks) {
-    const unsigned add = 1u + (chunk == 0 ? (message_stamp(round) << 16) | (static_cast<unsigned>(n_chunks) << 8) : 0u);
-    red_add_relaxed_sys(tag, static_cast<int>(add));
-}
-
-__device__ __forceinline__ bool message_complete(unsigned v, int round) {
-    return (v >> 16) == message_stamp(round) && ((v >> 8) & 0xFFu) == (v & 0xFFu);
-}
 
 // A staged chunk's flag: the round's stamp (bits 8-30, never 0, so a zeroed flag is no round's) | the chunk count.
 __device__ __forceinline__ unsigned chunk_stamp(int round) { return (static_cast<unsigned>(round) & 0x7FFFFFu) + 1u; }
@@ -312,23 +299,24 @@ __device__ __forceinline__ bool small_round(const EP& ep, int num_tokens) {
 __device__ __forceinline__ bool staged_source(const EP& ep, const int* s_tally, int s) {
     return ep[P_SMALL_TOKENS] > 0 && s_tally[s * tally_len(ep) + ep[P_N_EXPERTS]] <= ep[P_SMALL_TOKENS];
 }
-// The metadata record of message slot i of source s in rank `rank`'s buffer (direct: its first int is the token,
-// its second the ready tag). Staged (a small round): record i (the token index) of the staging area at parity par:
-// metadata, chunk flags (staged_flags), payload (staged_payload). Direct: the meta region (i: the message slot;
-// the payload went to the row of the token's first local expert).
+// The metadata record of message slot i of source s in rank `rank`'s buffer, followed by the message's chunk flags
+// (message_flags). Staged (a small round): record i (the token index) of the staging area at parity par: metadata,
+// chunk flags, payload (staged_payload). Direct: record i (the message slot) of the meta region, metadata (its first
+// int is the token) and chunk flags; the payload went to the row of the token's first local expert.
 __device__ __forceinline__ char* message_meta(const EP& ep, int rank, bool staged, int par, int s, int i) {
     if (staged)
         return ep.peer(rank, ep[P_OFF_STAGE]) + ((par * ep[P_N_SRC] + s) * ep[P_SMALL_TOKENS] + i) * ep[P_STAGE_RECORD];
-    return ep.peer(rank, ep[P_OFF_META]) + (s * ep[P_MAX_TOKENS] + i) * ep[P_META_BYTES];
+    const long long stride = ep[P_STAGE_RECORD] - ep[P_PAYLOAD_BYTES];  // metadata | chunk flags
+    return ep.peer(rank, ep[P_OFF_META]) + (s * ep[P_MAX_TOKENS] + i) * stride;
 }
-__device__ __forceinline__ int* staged_flags(const EP& ep, const char* meta) {
+__device__ __forceinline__ int* message_flags(const EP& ep, const char* meta) {
     return reinterpret_cast<int*>(const_cast<char*>(meta) + ep[P_META_BYTES]);
 }
 __device__ __forceinline__ char* staged_payload(const EP& ep, const char* meta) {
     return const_cast<char*>(meta) + ep[P_STAGE_RECORD] - ep[P_PAYLOAD_BYTES];
 }
-// Flags of a staging record: one per 256-value span of the hidden size (cuep/config.py: stage_flag_bytes).
-__device__ __forceinline__ int staged_flag_count(const EP& ep) {
+// Chunk flags of a record: one per 256-value span of the hidden size (cuep/config.py: stage_flag_bytes).
+__device__ __forceinline__ int message_flag_count(const EP& ep) {
     return static_cast<int>((ep[P_HIDDEN] + kWarpSpan - 1) / kWarpSpan);
 }
 
@@ -522,14 +510,17 @@ __device__ __forceinline__ bool small_round_ready(const EP& ep, int round, int* 
 // ---- phases ---------------------------------------------------------------------------------------------------
 
 // Per-call scratch private to the rank: each choice's slot inside its (expert, my source index) block, each
-// (token, destination rank)'s message slot, and each token's destination ranks (bit mask). Filled by notify, read
-// by send.
+// (token, destination rank)'s message slot inside its token range, each token's destination ranks (bit mask), and
+// per token range its first message slot at each destination, then the range length. Filled by notify, read by send.
 __device__ __forceinline__ int* scratch_pos(const EP& ep) { return reinterpret_cast<int*>(ep.local(ep[P_OFF_SCRATCH])); }
 __device__ __forceinline__ int* scratch_slot(const EP& ep) { return scratch_pos(ep) + ep[P_MAX_TOKENS] * ep[P_TOP_K]; }
 __device__ __forceinline__ int* scratch_rank_masks(const EP& ep) { return scratch_slot(ep) + ep[P_MAX_TOKENS] * kMaxRanks; }
+__device__ __forceinline__ int* scratch_range_base(const EP& ep) { return scratch_rank_masks(ep) + ep[P_MAX_TOKENS]; }
+__device__ __forceinline__ int* scratch_range_len(const EP& ep) { return scratch_range_base(ep) + kNotifyRanges * kMaxRanks; }
 
-// notify: one thread per (token, k). Reserve every slot with an atomic (the histogram is the slot counter),
-// then the last block publishes the histogram to every destination with the round's flag.
+// notify: one warp per token, lane k = choice k. Reserve every slot with an atomic (the histogram is the slot
+// counter); each block takes a contiguous token range and numbers its messages in token order; the last block
+// turns the ranges' message counts into their first slots and publishes the histogram to every destination.
 __device__ void phase_notify(const EP& ep, const DispatchArgs& a, int round, int* s_flag, char* smem,
                              const uint64_t* early_ready) {
     const int E = static_cast<int>(ep[P_N_EXPERTS]), K = static_cast<int>(ep[P_TOP_K]);
@@ -562,9 +553,15 @@ __device__ void phase_notify(const EP& ep, const DispatchArgs& a, int round, int
         CUEP_TRACE(ep, true, 2);
         return;
     }
-    // One warp per token, lane k = choice k: repeats and first choices per rank found with shuffles.
+    // One warp per token, lane k = choice k: repeats and first choices per rank found with shuffles. Block b takes
+    // token range b (contiguous, at most kNotifyRanges ranges).
     const int lane = threadIdx.x % kWarp, n_warps = blockDim.x / kWarp;
-    for (int t = (threadIdx.x / kWarp) * gridDim.x + blockIdx.x; t < a.num_tokens; t += gridDim.x * n_warps) {
+    const int R = static_cast<int>(ep[P_N_RANKS]);
+    const int n_ranges = min(static_cast<int>(gridDim.x), kNotifyRanges);
+    const int range_len = (a.num_tokens + n_ranges - 1) / n_ranges;
+    const int lo = min(a.num_tokens, static_cast<int>(blockIdx.x) * range_len);
+    const int hi = static_cast<int>(blockIdx.x) < n_ranges ? min(a.num_tokens, lo + range_len) : lo;
+    for (int t = lo + static_cast<int>(threadIdx.x) / kWarp; t < hi; t += n_warps) {
         const long long i = static_cast<long long>(t) * K + lane;
         const int e = lane < K ? a.topk_ids[i] : -1;
         const bool in_range = lane < K && e >= 0 && e < E;
@@ -581,14 +578,61 @@ __device__ void phase_notify(const EP& ep, const DispatchArgs& a, int round, int
         const unsigned to_ranks = __reduce_or_sync(0xffffffffu, first ? 1u << r : 0u);
         if (lane == 0) masks[t] = static_cast<int>(to_ranks);
     }
+    // Message slots in token order inside the range (atomics gave the choices' slots in scheduling order); the
+    // range's message count per destination for the last block. (The last block numbering all N tokens alone took
+    // 7.3 us of a 2 x H200 N = 4096 dispatch.)
+    __syncthreads();  // the block's masks
+    int n_msgs[8];    // messages to each rank: of the range, then (last block) of the round
+    if (static_cast<int>(blockIdx.x) < n_ranges) {
+        assign_message_slots<1>(masks + lo, hi - lo, R, n_msgs, [slot, lo](int t, int r, int v) {
+            slot[static_cast<long long>(lo + t) * kMaxRanks + r] = v;
+        });
+        if (threadIdx.x < kMaxRanks) {
+            int c = 0;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) c = i == static_cast<int>(threadIdx.x) ? n_msgs[i] : c;
+            scratch_range_base(ep)[blockIdx.x * kMaxRanks + threadIdx.x] = c;
+        }
+    }
     CUEP_TRACE(ep, blockIdx.x == 0, 1);
+    CUEP_TRACE_LATEST(ep, threadIdx.x == 0, 6);
     if (!last_block_done(ctr + C_DONE_NOTIFY, s_flag, /*peer_writes=*/false)) return;
-    // Last block: message slots in token order (atomics gave the choices' slots in scheduling order).
-    const int R = static_cast<int>(ep[P_N_RANKS]);
-    int n_msgs[8];  // messages to each rank
-    assign_message_slots<8>(masks, a.num_tokens, R, n_msgs, [slot](int t, int r, int v) {
-        slot[static_cast<long long>(t) * kMaxRanks + r] = v;
-    });
+    CUEP_TRACE(ep, true, 11);
+    // Last block: each range's first slot at each destination (exclusive scan of the range counts, in place; warp
+    // r scans destination r, each lane kNotifyRanges / 32 consecutive ranges), and the round's message counts.
+    {
+        __shared__ int s_msgs[kMaxRanks];
+        int* base = scratch_range_base(ep);
+        const int r = static_cast<int>(threadIdx.x) / kWarp;
+        if (r < R) {
+            constexpr int kPer = kNotifyRanges / kWarp;
+            int c[kPer], sum = 0;
+#pragma unroll
+            for (int j = 0; j < kPer; ++j) {
+                const int g = lane * kPer + j;
+                c[j] = g < n_ranges ? base[g * kMaxRanks + r] : 0;
+                sum += c[j];
+            }
+            int incl = sum;
+            for (int o = 1; o < kWarp; o <<= 1) {
+                const int v = __shfl_up_sync(0xffffffffu, incl, o);
+                if (lane >= o) incl += v;
+            }
+            int run = incl - sum;
+#pragma unroll
+            for (int j = 0; j < kPer; ++j) {
+                const int g = lane * kPer + j;
+                if (g < n_ranges) base[g * kMaxRanks + r] = run;
+                run += c[j];
+            }
+            if (lane == kWarp - 1) s_msgs[r] = incl;
+        }
+        if (threadIdx.x == 0) *scratch_range_len(ep) = range_len;
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < 8; ++i) n_msgs[i] = i < R ? s_msgs[i] : 0;
+    }
+    CUEP_TRACE(ep, true, 12);
     // Publish [hist | num_tokens | messages for you] to every destination's tally row for me; re-arm the histogram.
     // The fence: this rank's send blocks read the scratch slots once they see their own tally row.
     __threadfence();
@@ -654,7 +698,7 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
         // 1s. Every destination is ready (small_round_ready). No book: a token's record is its index, and each
         // warp finds its token's destinations itself. The send blocks do not wait for block 0's tally and book
         // stores (2 x H200, N = 128 bf16: 29.1-29.4 us against 32.4-32.8 with the wait; knob kKnobTallyWait
-        // restores it): the receiver waits for the tallies, the book rows and each message's tag anyway.
+        // restores it): the receiver waits for the tallies, the book rows and each message's chunk flags anyway.
         if (!small_round_ready(ep, round, &s_ok, early_ready)) return;
         CUEP_TRACE(ep, static_cast<int>(blockIdx.x) == first_sender, 3);
         if (warp == 0 && (knobs & kKnobTallyWait) &&
@@ -681,13 +725,16 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
     // 2. Items (token, chunk of whole 256-value spans), one warp each; lane k holds top-k choice k. A prefill batch
     // keeps one chunk (one warp) per token; a decode batch spreads each token over several warps (one warp
     // storing a whole token to every destination was what a small batch waited for). Every chunk counts itself
-    // into the message's ready tag (message_tag_*), so the receiver knows when all of a message has landed.
+    // sets its flag in the message's record (chunk_flag), so the receiver knows when all of a message has landed.
     const int* pos = scratch_pos(ep);
     const int* slots = scratch_slot(ep);
+    const int* range_base = scratch_range_base(ep);
+    const int range_len = small ? 1 : *scratch_range_len(ep);
     // The message slot of (token t, destination d): a small round's staging record is the token's index, a large
-    // round's slot comes from notify's scratch.
+    // round's slot is notify's slot inside the token's range plus the range's first slot.
     auto message_slot = [&](int t, int d) -> int {
-        return small ? t : slots[static_cast<long long>(t) * kMaxRanks + d];
+        return small ? t
+                     : slots[static_cast<long long>(t) * kMaxRanks + d] + range_base[(t / range_len) * kMaxRanks + d];
     };
     using S = typename FormatTraits<FMT>::Scale;
     using SendVectors = WarpVectors<4>;
@@ -800,18 +847,16 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
             for (int j = 0; j < n_dst; ++j)
                 v.store(reinterpret_cast<char*>(__shfl_sync(0xffffffffu, lane_dst, j)) + b, n, lane);
         }
-        // The chunk counts itself into each destination's ready tag (staged: sets its flag) last: the warp's
-        // stores above happen before the tags (warp barrier, then one system-scope fence for all destinations:
-        // a release per destination waited for each destination's stores in turn, 5 us of a 2-GPU decode
-        // dispatch).
+        // The chunk sets its flag in each destination's record last: the warp's stores above happen before the
+        // flags (warp barrier, then one system-scope fence for all destinations: a release per destination waited
+        // for each destination's stores in turn, 5 us of a 2-GPU decode dispatch).
         __syncwarp();
         if (lane == 0 && sent) {
             if (!(knobs & kKnobDispatchNoFence)) fence_sys();  // (knob: measurement only, unordered)
             for (unsigned m = sent; m; m &= m - 1) {
                 const int d = __ffs(m) - 1;
                 char* meta = message_meta(ep, d, small, par, me, message_slot(t, d));
-                if (small) store_relaxed_sys_i32(staged_flags(ep, meta) + ch, chunk_flag(round, n_chunks));
-                else message_tag_add(reinterpret_cast<int*>(meta) + 1, round, ch, n_chunks);
+                store_relaxed_sys_i32(message_flags(ep, meta) + ch, chunk_flag(round, n_chunks));
             }
         }
         if (ep[P_SHARED]) {
@@ -833,14 +878,14 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
     CUEP_TRACE_LATEST(ep, lane == 0, 23);
     }
 done:
-    // No end-of-phase count: every message carries its own ready tag, and the block that entered the kernel last
+    // No end-of-phase count: every message carries its own chunk flags, and the block that entered the kernel last
     // advances the round (dispatch_kernel).
     return;
 }
 
 // recv: wait for every source, then lay the round out. Blocks [first_block, grid) take part (see dispatch_kernel).
 template <int FMT>
-__device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char* smem, int* s_flag, int first_block,
+__device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char* smem, int first_block,
                            bool local_from_x, int knobs) {
     const int block = static_cast<int>(blockIdx.x) - first_block, n_blocks = static_cast<int>(gridDim.x) - first_block;
     const int E = static_cast<int>(ep[P_N_EXPERTS]), K = static_cast<int>(ep[P_TOP_K]);
@@ -856,7 +901,7 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
     __shared__ int s_msg_count[kMaxRanks], s_msg_total, s_msg_most, s_all_staged;
 
     // The layout needs only the histograms (they arrive before any data); messages are then placed one by one
-    // as their ready tags land, so the copies below overlap the incoming stream.
+    // as their chunk flags land, so the copies below overlap the incoming stream.
     const int E1 = tally_len(ep);
     int* s_tally = reinterpret_cast<int*>(smem);
     unsigned* s_offsets = reinterpret_cast<unsigned*>(s_tally + n_src * E1);
@@ -950,10 +995,12 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
     // (message slots fill in roughly the order the senders send), so no warp waits for one source while messages
     // of the others have landed (in source order: 4 x H200 fused dispatch 615 us against a 506 us send half).
     // A round whose sources were all staged (decode) has about one item per warp: warp w takes items w, w + warps,
-    // ... (consecutive items on different SMs), with no atomics and no item counter to re-arm.
+    // ... (consecutive items on different SMs), with no atomics. The counter is this round's parity's; the other
+    // parity's was last used by the previous round (an earlier launch) and is zeroed here for the next.
     const bool all_staged = s_all_staged != 0;
     const int recv_warp = (threadIdx.x / kWarp) * n_blocks + block, n_recv_warps = n_blocks * n_warps;
-    int* next_item = ctr + C_RECV_ITEM;
+    int* next_item = ctr + C_RECV_ITEM + par;
+    if (block == 0 && threadIdx.x == 0) ctr[C_RECV_ITEM + (par ^ 1)] = 0;
     auto claim = [&](int prev) {
         if (all_staged) return prev < 0 ? recv_warp : prev + n_recv_warps;
         return __shfl_sync(0xffffffffu, lane == 0 ? atomicAdd(next_item, 1) : 0, 0);
@@ -964,9 +1011,9 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
         if (!order.at(item, s, i, ch)) continue;
         // A small round's message sits in the staging area (record t for token t) and its rows in the source's book
         // row, which block 0 publishes while the data move: the rows and the bookkeeping outputs (but the weights,
-        // which ride in the record's metadata) are done before the payload's tag is waited for, so mostly the
+        // which ride in the record's metadata) are done before the payload's flags are waited for, so mostly the
         // copies follow it. A large round's metadata is in the meta region and its payload already in the row of
-        // the token's first local expert: everything waits for the tag.
+        // the token's first local expert: everything waits for the flags.
         const bool staged = staged_source(ep, s_tally, s);
         const char* meta = message_meta(ep, rank, staged, par, s, staged ? s_msg_tok[s * S + i] : i);
         // local_from_x: my own tokens come from x (bf16, this launch's input), not from a staged record: their
@@ -974,12 +1021,8 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
         const bool from_x = local_from_x && staged && s == me;
         auto wait_payload = [&]() {
             if (from_x) return true;
-            const bool ok =
-                staged ? warp_wait_chunk_flags(staged_flags(ep, meta), staged_flag_count(ep), round, ep,
-                                               K_DISPATCH_RECV, s, lane, sleep_ns)
-                       : warp_wait_until(reinterpret_cast<const int*>(meta) + 1,
-                                         [round](int v) { return message_complete(static_cast<unsigned>(v), round); },
-                                         ep, K_DISPATCH_RECV, s, lane, sleep_ns);
+            const bool ok = warp_wait_chunk_flags(message_flags(ep, meta), message_flag_count(ep), round, ep,
+                                                  K_DISPATCH_RECV, s, lane, sleep_ns);
             CUEP_TRACE_LATEST(ep, lane == 0, 24);
             return ok;
         };
@@ -1018,7 +1061,7 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
         const char* payload = from_x   ? static_cast<const char*>(a.x) + static_cast<long long>(t) * pb
                               : staged ? staged_payload(ep, meta)
                                        : tokens + first_row * pb;
-        const unsigned copy_to = staged ? local : local & (local - 1);
+        const unsigned copy_to = staged ? local : (knobs & kKnobNoFanout) ? 0u : local & (local - 1);
         // This chunk of the payload to every row it still has to reach, 2 KiB at a time: loaded once into
         // registers, stored to each row (a copy per row re-loaded it behind the previous row's stores).
         auto fan_out = [&]() {
@@ -1120,28 +1163,27 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
 
     CUEP_TRACE(ep, block == n_blocks - 1, 9);
     CUEP_TRACE_LATEST(ep, threadIdx.x == 0, 26);
-    // A round of staged sources only ends here: their flags need no re-arming, its items no counter, and the block
-    // that entered last advances the round (dispatch_kernel). (The end-of-round count and re-arm took 2 us of a
-    // 2-GPU decode dispatch.)
-    if (all_staged) return;
-    // Last block: re-arm the ready tags of this round's direct messages and the item counter.
-    if (!last_block_done(ctr + C_DONE_RECV, s_flag, /*peer_writes=*/false, n_blocks)) return;
-    CUEP_TRACE(ep, true, 27);
-    for (int s = 0; s < n_src; ++s) {
-        if (staged_source(ep, s_tally, s)) continue;
-        for (int i = threadIdx.x; i < s_msg_count[s]; i += blockDim.x)
-            reinterpret_cast<int*>(message_meta(ep, rank, false, par, s, i))[1] = 0;
-    }
-    if (threadIdx.x == 0) {
-        ctr[C_DONE_RECV] = 0;
-        ctr[C_RECV_ITEM] = 0;
-    }
-    CUEP_TRACE(ep, true, 10);
+    // The round ends here: the chunk flags need no re-arming, and the block that entered last advances the round
+    // (dispatch_kernel). (The end-of-round count and re-arm took 2 us of a 2-GPU decode dispatch, 8 us of a
+    // prefill one.)
 }
 
 }  // namespace
 
 constexpr int kSmallSendSixteenths = 6;
+
+// A large fused round's receive-only blocks, in eighths of the grid (knob bits 27-29: another share), so the
+// fan-out runs while tokens are still being sent. In-process A/B, 2 x H200, N = 4096, cold us, 3/8, 4/8, 5/8, 6/8
+// of the blocks receiving: bf16 286, 270, 256, 241 (7/8: 301); fp8 222, 214, 212, 240; nvfp4 228, 225, 226, 244.
+// On two ranks a bf16 token fans out to about four rows here, so the copies, not the NVLink stores, want the SMs;
+// a quantized round encodes in the send blocks and copies half the bytes or less. 4 x H200: unmeasured (one half,
+// as before). (Every block sending first, second session: 347 us against 293 with half receiving.)
+template <int FMT, typename T>
+__device__ __forceinline__ int large_recv_eighths(const EP& ep, int phases) {
+    const int knob = (phases >> kKnobRecvShareShift) & 7;
+    if (knob) return knob;
+    return FMT == kFmtBf16 && sizeof(T) == 2 && ep[P_N_RANKS] <= 2 ? 6 : 4;
+}
 
 template <int FMT, typename T>
 __device__ void dispatch_kernel(const EPParams& params, DispatchArgs a, int phases) {
@@ -1166,20 +1208,16 @@ __device__ void dispatch_kernel(const EPParams& params, DispatchArgs a, int phas
     const int entered = count_entry(ep, C_ENTER_DISPATCH);
     CUEP_TRACE(ep, blockIdx.x == 0, 0);
     if (phases & kPhaseNotify) phase_notify(ep, a, send_round, &s_flag, smem, early ? s_early_ready : nullptr);
-    // In one fused launch half of the blocks only receive, so the fan-out runs while tokens are still being sent
-    // (CUEP_RECV_BLOCK_DIV: 1 / share of receive-only blocks; 0 = every block sends first). 2 x H200, N = 4096
-    // bf16: every block sending first 347 us, a quarter receiving 311 us, half 293 us.
-#ifndef CUEP_RECV_BLOCK_DIV
-#define CUEP_RECV_BLOCK_DIV 2
-#endif
     // A small fused round sends from 6/16 of the blocks (knob bits 10-14: another share). In-process A/B, 2 x H200,
     // N = 128, cold: 8/16 26.4 us, 6/16 25.4, 5/16 25.2-25.5, 4/16 25.5, 3/16 26.3 (bf16); fp8 8/16 28.7, 6/16
     // 27.7-28.0, 5/16 28.4: the receive blocks' fan-out, not the send, was short of SMs.
     const int knob_sixteenths = (phases >> kKnobSmallSendShift) & 31;
     const int small_sixteenths = knob_sixteenths ? min(knob_sixteenths, 16) : kSmallSendSixteenths;
-    const int send_blocks = (phases & kPhaseRecv) && (phases & kPhaseSend) && small_round(ep, a.num_tokens)
-                                ? max(1, static_cast<int>(gridDim.x) * small_sixteenths / 16)
-                                : send_block_count(phases, CUEP_RECV_BLOCK_DIV);
+    const bool fused = (phases & kPhaseRecv) && (phases & kPhaseSend);
+    const int grid = static_cast<int>(gridDim.x);
+    const int send_blocks = !fused                         ? grid
+                            : small_round(ep, a.num_tokens) ? max(1, grid * small_sixteenths / 16)
+                                                            : grid - grid * large_recv_eighths<FMT, T>(ep, phases) / 8;
     // One call with x moving a small bf16 round: this rank's own tokens go from x to its rows (kPhaseLocalX)
     const bool local_from_x = FMT == kFmtBf16 && sizeof(T) == 2 && (phases & kPhaseLocalX) &&
                               !(phases & kKnobNoLocalX) && a.x != nullptr && small_round(ep, a.num_tokens);
@@ -1194,7 +1232,7 @@ __device__ void dispatch_kernel(const EPParams& params, DispatchArgs a, int phas
                                ? send_blocks
                                : 0;
     if ((phases & kPhaseRecv) && static_cast<int>(blockIdx.x) >= first_recv)
-        phase_recv<FMT>(ep, a, recv_round, smem, &s_flag, first_recv, local_from_x, phases);
+        phase_recv<FMT>(ep, a, recv_round, smem, first_recv, local_from_x, phases);
     // The block that entered last advances the rounds of the phases this launch ran.
     if (last_to_enter(ep, C_ENTER_DISPATCH, entered)) {
         if (phases & kPhaseSend) ctr[C_DISP_ROUND] = send_round + 1;

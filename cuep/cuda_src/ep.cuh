@@ -56,6 +56,8 @@ enum Param : int {
 };
 
 constexpr int kMaxRanks = 8;
+// dispatch notify of a large round: tokens in at most this many contiguous ranges, one per block (config.py: scratch)
+constexpr int kNotifyRanges = 256;
 
 // The parameter block, passed to every EP kernel by value (`const __grid_constant__ EPParams`): its fields are
 // read from the constant bank. (A pointer to it in global memory made every field a global load, and an acquire
@@ -77,11 +79,10 @@ enum Counter : int {
     C_ERROR = 11,         // nonzero once any kernel of this rank reported an error (first one wins)
     C_DONE_NOTIFY = 12,   // blocks done with a phase (last one finishes the phase and resets it)
     C_CRECV_COUNT = 13,   // combine receive rounds completed; 15: unused
-    C_DONE_RECV = 14,
-    C_DONE_CRECV = 16,
-    C_RECV_ITEM = 17,     // next receive work item to claim (dispatch receive phase)
+    C_DONE_CRECV = 16,    // 14, 17: unused
     C_CRECV_ITEM = 18,    // [2] next receive work item to claim (combine receive phase), by round parity
     C_ARRIVED_N = 20,     // [2] tokens of the last combine round of each parity (their arrival counts to re-arm)
+    C_RECV_ITEM = 22,     // [2] next receive work item to claim (dispatch receive phase), by round parity
     C_HIST = 32,          // [E] this round's expert histogram (atomics on it also reserve each choice's slot)
 };
 
@@ -105,7 +106,7 @@ constexpr int kKnobSendersReceive = 1 << 8;  // dispatch, small fused round: the
 constexpr int kKnobTallyWait = 1 << 9;       // dispatch, small round: send blocks wait for block 0's book stores
 // dispatch, small fused round: v = bits 10-14 nonzero: v/16 of the blocks send (16: all, then they receive too)
 constexpr int kKnobSmallSendShift = 10;
-// dispatch receive: v = bits 16-18: the polls of tallies, book rows and ready tags sleep 32 << v ns (64 << v for
+// dispatch receive: v = bits 16-18: the polls of tallies, book rows and chunk flags sleep 32 << v ns (64 << v for
 // tallies) between loads instead of 32 (64)
 constexpr int kKnobPollShift = 16;
 constexpr int kKnobNoLocalX = 1 << 19;  // dispatch: ignore kPhaseLocalX (the local tokens are staged as the others)
@@ -114,11 +115,15 @@ constexpr int kKnobNoEarlyLoads = 1 << 21;  // dispatch / combine: no loads issu
 // Measurement only, no ordering guarantee (the data and its count or flag may be seen in either order; results can be
 // wrong): what the system-scope fence before a count or flag costs. Combine: the bf16 partial sums' arrival counts
 // are posted with a relaxed add after the proxy fence, without the release (MEMBAR.SYS). Dispatch: the chunk flags
-// and ready tags without the fence before them.
+// without the fence before them.
 constexpr int kKnobCombineRelaxedCount = 1 << 22;
 constexpr int kKnobDispatchNoFence = 1 << 23;
 constexpr int kKnobCombineSysLocal = 1 << 24;  // combine: a system-scope release before local arrival counts too
 constexpr int kKnobCombineNoPoll = 1 << 25;    // combine: no polled partial sums (comb_poll): every token counted
+constexpr int kKnobNoFanout = 1 << 26;  // dispatch, large round: the receive copies nothing (measurement only: wrong rows)
+// v = bits 27-29 nonzero: v/8 of the blocks only receive, in a large fused dispatch round (default: dispatch.cu
+// large_recv_eighths) and in a fused combine (default: none)
+constexpr int kKnobRecvShareShift = 27;
 __device__ __forceinline__ unsigned poll_sleep_ns(int knobs, unsigned base) { return base << ((knobs >> kKnobPollShift) & 7); }
 
 struct EP {
