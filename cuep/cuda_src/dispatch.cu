@@ -1061,7 +1061,7 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
         const char* payload = from_x   ? static_cast<const char*>(a.x) + static_cast<long long>(t) * pb
                               : staged ? staged_payload(ep, meta)
                                        : tokens + first_row * pb;
-        const unsigned copy_to = staged ? local : (knobs & kKnobNoFanout) ? 0u : local & (local - 1);
+        const unsigned copy_to = from_x ? local : (knobs & kKnobNoFanout) ? 0u : staged ? local : local & (local - 1);
         // This chunk of the payload to every row it still has to reach, 2 KiB at a time: loaded once into
         // registers, stored to each row (a copy per row re-loaded it behind the previous row's stores).
         auto fan_out = [&]() {

@@ -120,7 +120,8 @@ constexpr int kKnobCombineRelaxedCount = 1 << 22;
 constexpr int kKnobDispatchNoFence = 1 << 23;
 constexpr int kKnobCombineSysLocal = 1 << 24;  // combine: a system-scope release before local arrival counts too
 constexpr int kKnobCombineNoPoll = 1 << 25;    // combine: no polled partial sums (comb_poll): every token counted
-constexpr int kKnobNoFanout = 1 << 26;  // dispatch, large round: the receive copies nothing (measurement only: wrong rows)
+// dispatch: the receive copies no received payload to its rows (measurement only: wrong rows; tokens from x still go)
+constexpr int kKnobNoFanout = 1 << 26;
 // v = bits 27-29 nonzero: v/8 of the blocks only receive, in a large fused dispatch round (default: dispatch.cu
 // large_recv_eighths) and in a fused combine (default: none)
 constexpr int kKnobRecvShareShift = 27;
