@@ -52,6 +52,17 @@ def test_round_matches_reference(devices, fmt, shared, skip, rng):
 
 
 @pytest.mark.parametrize("devices", groups())
+def test_direct_rounds_with_a_rank_without_tokens(devices, rng):
+    # small_batch_tokens=0: every round direct (notify numbers messages per token range); rank 0 sends nothing, and
+    # one round has a single token on every other rank (one range holds it, the others are empty)
+    cfg, buf = make(devices, small_batch_tokens=0)
+    R = len(devices)
+    for n in ([0 if r == 0 and R > 1 else 48 for r in range(R)], [0 if r == 0 and R > 1 else 1 for r in range(R)]):
+        run_round(buf, cfg, rng, n, weights_at="dispatch")
+        run_round(buf, cfg, rng, n, weights_at="combine", async_halves=True)
+
+
+@pytest.mark.parametrize("devices", groups())
 @pytest.mark.parametrize("hidden, top_k, fmt", [(2048, 1, "bf16"), (7168, 8, "fp8"), (7168, 8, "bf16"),
                                                  (2048, 8, "nvfp4"), (7168, 4, "mxfp4")])
 def test_shapes_and_skew(devices, hidden, top_k, fmt, rng):

@@ -558,7 +558,7 @@ __device__ void phase_notify(const EP& ep, const DispatchArgs& a, int round, int
     const int lane = threadIdx.x % kWarp, n_warps = blockDim.x / kWarp;
     const int R = static_cast<int>(ep[P_N_RANKS]);
     const int n_ranges = min(static_cast<int>(gridDim.x), kNotifyRanges);
-    const int range_len = (a.num_tokens + n_ranges - 1) / n_ranges;
+    const int range_len = (a.num_tokens + n_ranges - 1) / n_ranges;  // (0 in a round without tokens: no send items)
     const int lo = min(a.num_tokens, static_cast<int>(blockIdx.x) * range_len);
     const int hi = static_cast<int>(blockIdx.x) < n_ranges ? min(a.num_tokens, lo + range_len) : lo;
     for (int t = lo + static_cast<int>(threadIdx.x) / kWarp; t < hi; t += n_warps) {
@@ -724,8 +724,8 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
     CUEP_TRACE_LATEST(ep, threadIdx.x == 0, 28);
     // 2. Items (token, chunk of whole 256-value spans), one warp each; lane k holds top-k choice k. A prefill batch
     // keeps one chunk (one warp) per token; a decode batch spreads each token over several warps (one warp
-    // storing a whole token to every destination was what a small batch waited for). Every chunk counts itself
-    // sets its flag in the message's record (chunk_flag), so the receiver knows when all of a message has landed.
+    // storing a whole token to every destination was what a small batch waited for). Every chunk sets its flag in
+    // the message's record (chunk_flag) last, so the receiver knows when all of a message has landed.
     const int* pos = scratch_pos(ep);
     const int* slots = scratch_slot(ep);
     const int* range_base = scratch_range_base(ep);
