@@ -240,7 +240,7 @@ class EPConfig:
         token and round, one counter per 128-byte line; the receiver re-arms a parity one round ahead).
         ``counters`` (int32) and ``scratch`` (int32 [T, K] slots of each choice in its (expert, source) block,
         [T, 8] message slot per (token, destination) inside the token's range, [T] destination ranks of each token,
-        [NOTIFY_RANGES, 8] first message slot of each token range per destination, then the range length) are
+        [NOTIFY_RANGES, 8] first message slot of each token range per destination) are
         private to the rank.
         Peers also write ``stage`` ([2 parities, sources, small_batch_tokens, :attr:`stage_record_bytes`]: the
         messages of small rounds, record t for token t (metadata record, chunk flags, payload), which the receiver copies
@@ -258,7 +258,7 @@ class EPConfig:
                  ("tally", 8 * 2 * S * (E + 2)),
                  ("comb_ready", 8 * 2 * self.n_ranks), ("comb_arrived", 4 * 2 * T * 32),
                  ("counters", 4 * self.n_counters),
-                 ("scratch", 4 * (T * (self.top_k + 8 + 1) + NOTIFY_RANGES * 8 + 1)),
+                 ("scratch", 4 * (T * (self.top_k + 8 + 1) + NOTIFY_RANGES * 8)),
                  ("stage", 2 * S * (self.small_batch_tokens * self.stage_record_bytes + 8 * self.small_book_len)),
                  ("comb_poll", 2 * self.combine_poll_tokens * self.combine_dest_ranks * self.hidden * 2)]
         out, off = {}, 0

@@ -196,7 +196,6 @@ KNOBS = [
     ("combine.cu", "CUEP_AB_TRACE=1"),
     ("combine.cu", "CUEP_AB_COMBINE_LOCAL=1"),
     ("combine.cu", "CUEP_AB_COMBINE_NO_LOADS=1"),
-    ("combine.cu", "CUEP_COMBINE_RECV_BLOCK_DIV=4"),
     ("combine.cu", "CUEP_COMBINE_RING=1"),
     ("silu.cu", "CUEP_AB_NO_SCALE_STORES=1"),
 ]

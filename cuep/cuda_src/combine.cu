@@ -801,17 +801,11 @@ __device__ void combine_kernel(const EPParams& params, const CombineArgs& a, int
                                                          threadIdx.x % kWarp));
         }
     }
-    // In one fused launch a share of the blocks only receive, so the sums overlap the incoming stream
-    // (CUEP_COMBINE_RECV_BLOCK_DIV: 1 / share of receive-only blocks; 0 = every block sends first).
-    // 4 x H200, N = 4096 bf16: 0: 535 us, 8: 547, 4: 537, 2: 571 (blocks done sending take up the receiving).
-#ifndef CUEP_COMBINE_RECV_BLOCK_DIV
-#define CUEP_COMBINE_RECV_BLOCK_DIV 0
-#endif
-    const int knob_recv_eighths = (phases >> kKnobRecvShareShift) & 7;  // (knob: v/8 of the blocks only receive)
-    const int send_blocks = knob_recv_eighths && (phases & kPhaseRecv) && (phases & kPhaseSend)
-                                ? static_cast<int>(gridDim.x) - static_cast<int>(gridDim.x) * knob_recv_eighths / 8
-                                : send_block_count(phases, CUEP_COMBINE_RECV_BLOCK_DIV);
-    if (phases & kPhaseSend) phase_send<TC>(ep, a, round, send_blocks, early ? s_early_count : nullptr);
+    // Every block sends first (blocks done sending take up the receiving): receive-only blocks, which would overlap
+    // the sums with the incoming stream, measured slower. 4 x H200, N = 4096 bf16: none 535 us, 1/8 547, 2/8 537,
+    // 4/8 571; 2 x H200 (knob bits 27-29): none 272, 1/8 276, 2/8 288, 4/8 363.
+    if (phases & kPhaseSend)
+        phase_send<TC>(ep, a, round, send_block_count(phases, 0), early ? s_early_count : nullptr);
     if ((phases & kPhaseNotify) && (phases & kPhaseSend) && blockIdx.x == 0) publish_parity_ready(ep, round, a.mode);
     if (phases & kPhaseRecv) phase_recv<TC>(ep, a, recv_round, &s_flag);
     // The block that entered last advances the rounds of the phases this launch ran.

@@ -511,12 +511,17 @@ __device__ __forceinline__ bool small_round_ready(const EP& ep, int round, int* 
 
 // Per-call scratch private to the rank: each choice's slot inside its (expert, my source index) block, each
 // (token, destination rank)'s message slot inside its token range, each token's destination ranks (bit mask), and
-// per token range its first message slot at each destination, then the range length. Filled by notify, read by send.
+// per token range its first message slot at each destination. Filled by notify, read by send.
 __device__ __forceinline__ int* scratch_pos(const EP& ep) { return reinterpret_cast<int*>(ep.local(ep[P_OFF_SCRATCH])); }
 __device__ __forceinline__ int* scratch_slot(const EP& ep) { return scratch_pos(ep) + ep[P_MAX_TOKENS] * ep[P_TOP_K]; }
 __device__ __forceinline__ int* scratch_rank_masks(const EP& ep) { return scratch_slot(ep) + ep[P_MAX_TOKENS] * kMaxRanks; }
 __device__ __forceinline__ int* scratch_range_base(const EP& ep) { return scratch_rank_masks(ep) + ep[P_MAX_TOKENS]; }
-__device__ __forceinline__ int* scratch_range_len(const EP& ep) { return scratch_range_base(ep) + kNotifyRanges * kMaxRanks; }
+// Tokens per notify range: block b of notify numbers tokens [b x len, (b + 1) x len) (0 in a round without tokens,
+// which has no send items). Notify and send run on the same grid (cuep/ep.py: one block per SM of the buffer).
+__device__ __forceinline__ int notify_range_len(int num_tokens) {
+    const int n_ranges = min(static_cast<int>(gridDim.x), kNotifyRanges);
+    return (num_tokens + n_ranges - 1) / n_ranges;
+}
 
 // notify: one warp per token, lane k = choice k. Reserve every slot with an atomic (the histogram is the slot
 // counter); each block takes a contiguous token range and numbers its messages in token order; the last block
@@ -558,7 +563,7 @@ __device__ void phase_notify(const EP& ep, const DispatchArgs& a, int round, int
     const int lane = threadIdx.x % kWarp, n_warps = blockDim.x / kWarp;
     const int R = static_cast<int>(ep[P_N_RANKS]);
     const int n_ranges = min(static_cast<int>(gridDim.x), kNotifyRanges);
-    const int range_len = (a.num_tokens + n_ranges - 1) / n_ranges;  // (0 in a round without tokens: no send items)
+    const int range_len = notify_range_len(a.num_tokens);
     const int lo = min(a.num_tokens, static_cast<int>(blockIdx.x) * range_len);
     const int hi = static_cast<int>(blockIdx.x) < n_ranges ? min(a.num_tokens, lo + range_len) : lo;
     for (int t = lo + static_cast<int>(threadIdx.x) / kWarp; t < hi; t += n_warps) {
@@ -627,7 +632,6 @@ __device__ void phase_notify(const EP& ep, const DispatchArgs& a, int round, int
             }
             if (lane == kWarp - 1) s_msgs[r] = incl;
         }
-        if (threadIdx.x == 0) *scratch_range_len(ep) = range_len;
         __syncthreads();
 #pragma unroll
         for (int i = 0; i < 8; ++i) n_msgs[i] = i < R ? s_msgs[i] : 0;
@@ -729,7 +733,7 @@ __device__ void phase_send(const EP& ep, const DispatchArgs& a, int round, char*
     const int* pos = scratch_pos(ep);
     const int* slots = scratch_slot(ep);
     const int* range_base = scratch_range_base(ep);
-    const int range_len = small ? 1 : *scratch_range_len(ep);
+    const int range_len = small ? 1 : notify_range_len(a.num_tokens);
     // The message slot of (token t, destination d): a small round's staging record is the token's index, a large
     // round's slot is notify's slot inside the token's range plus the range's first slot.
     auto message_slot = [&](int t, int d) -> int {
@@ -1179,9 +1183,7 @@ constexpr int kSmallSendSixteenths = 6;
 // a quantized round encodes in the send blocks and copies half the bytes or less. 4 x H200: unmeasured (one half,
 // as before). (Every block sending first, second session: 347 us against 293 with half receiving.)
 template <int FMT, typename T>
-__device__ __forceinline__ int large_recv_eighths(const EP& ep, int phases) {
-    const int knob = (phases >> kKnobRecvShareShift) & 7;
-    if (knob) return knob;
+__device__ __forceinline__ int large_recv_eighths(const EP& ep) {
     return FMT == kFmtBf16 && sizeof(T) == 2 && ep[P_N_RANKS] <= 2 ? 6 : 4;
 }
 
@@ -1214,10 +1216,9 @@ __device__ void dispatch_kernel(const EPParams& params, DispatchArgs a, int phas
     const int knob_sixteenths = (phases >> kKnobSmallSendShift) & 31;
     const int small_sixteenths = knob_sixteenths ? min(knob_sixteenths, 16) : kSmallSendSixteenths;
     const bool fused = (phases & kPhaseRecv) && (phases & kPhaseSend);
-    const int grid = static_cast<int>(gridDim.x);
-    const int send_blocks = !fused                         ? grid
-                            : small_round(ep, a.num_tokens) ? max(1, grid * small_sixteenths / 16)
-                                                            : grid - grid * large_recv_eighths<FMT, T>(ep, phases) / 8;
+    const int send_blocks = fused && small_round(ep, a.num_tokens)
+                                ? max(1, static_cast<int>(gridDim.x) * small_sixteenths / 16)
+                                : send_block_count(phases, large_recv_eighths<FMT, T>(ep));
     // One call with x moving a small bf16 round: this rank's own tokens go from x to its rows (kPhaseLocalX)
     const bool local_from_x = FMT == kFmtBf16 && sizeof(T) == 2 && (phases & kPhaseLocalX) &&
                               !(phases & kKnobNoLocalX) && a.x != nullptr && small_round(ep, a.num_tokens);

@@ -318,11 +318,12 @@ __device__ __forceinline__ bool warp_wait_tag(const int* tag, int want, const EP
 }
 
 // Blocks of a launch that move data in the send phase: all of them, except that in one fused launch (send and
-// receive phases) 1 / recv_block_div of the grid only receives (recv_block_div 0: none).
-__device__ __forceinline__ int send_block_count(int phases, int recv_block_div) {
+// receive phases) recv_eighths / 8 of the grid only receive; knob bits 27-29, when set, replace recv_eighths.
+__device__ __forceinline__ int send_block_count(int phases, int recv_eighths) {
     const bool fused = (phases & kPhaseSend) && (phases & kPhaseRecv);
+    const int knob = (phases >> kKnobRecvShareShift) & 7;
     const int grid = static_cast<int>(gridDim.x);
-    return fused && recv_block_div > 0 ? grid - grid / recv_block_div : grid;
+    return fused ? grid - grid * (knob ? knob : recv_eighths) / 8 : grid;
 }
 
 // "Last block done" pattern: every block calls this once after its share of a phase (all threads); it returns true
