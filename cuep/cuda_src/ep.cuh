@@ -379,21 +379,23 @@ __device__ __forceinline__ const float* msg_weights(const EP& ep, const int* msg
 }
 
 // A warp holding one token's top-k row, lane k = choice k (k < K): does an earlier lane hold the same value v?
-// (All lanes take part.)
-__device__ __forceinline__ bool warp_repeats_earlier(int v, int lane, int K) {
+// (All lanes take part.) With `width` W < 32 (a power of two >= K) each W-lane segment holds its own token and
+// `lane` is the lane's index in its segment.
+__device__ __forceinline__ bool warp_repeats_earlier(int v, int lane, int K, int width = kWarp) {
     bool repeat = false;
     for (int k2 = 0; k2 < K; ++k2) {
-        const int u = __shfl_sync(0xffffffffu, v, k2);
+        const int u = __shfl_sync(0xffffffffu, v, k2, width);
         if (k2 < lane && u == v) repeat = true;
     }
     return repeat;
 }
 // Is this lane's choice, valid by `valid_mask`, the first valid one of its rank `rank_of` (no earlier valid lane
-// with the same rank)? (All lanes take part.)
-__device__ __forceinline__ bool warp_first_of_rank(int rank_of, unsigned valid_mask, int lane, int K) {
+// with the same rank)? (All lanes take part; `width` and `lane` as above, `valid_mask` the segment's own bits.)
+__device__ __forceinline__ bool warp_first_of_rank(int rank_of, unsigned valid_mask, int lane, int K,
+                                                   int width = kWarp) {
     bool first = (valid_mask >> lane) & 1u;
     for (int k2 = 0; k2 < K; ++k2) {
-        const int u = __shfl_sync(0xffffffffu, rank_of, k2);
+        const int u = __shfl_sync(0xffffffffu, rank_of, k2, width);
         if (k2 < lane && ((valid_mask >> k2) & 1u) && u == rank_of) first = false;
     }
     return first;
