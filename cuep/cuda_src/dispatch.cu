@@ -999,7 +999,8 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
     // (decode: with 2 KiB chunks a warp placed a second item after its first, 4 us of a 2-GPU N = 128 dispatch).
     const long long recv_warps = static_cast<long long>(n_blocks) * n_warps;
     const long long kFanoutChunk = total <= recv_warps ? chunk_units(total, pb, kWarp * 16, recv_warps)
-                                                       : min(chunk_units(total, pb, kWarp * 16, recv_warps), 2048LL);
+                                                       : min(chunk_units(total, pb, kWarp * 16, recv_warps),
+                                                             (knobs & kKnobFanoutWholeRows) ? pb : 2048LL);
     using FanoutVectors = WarpVectors<4>;  // the chunk goes through registers 2 KiB at a time
     const int n_chunks = static_cast<int>((pb + kFanoutChunk - 1) / kFanoutChunk);
     // Items are claimed in order with an atomic (lane 0), so blocks that finish sending early, or receive-only
@@ -1129,7 +1130,7 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
             local &= local - 1;
             const int rk = __shfl_sync(0xffffffffu, row, k);
             const int g = sh + __shfl_sync(0xffffffffu, id, k) - rank * L;
-            if (ep[P_SCALE_BYTES])
+            if (ep[P_SCALE_BYTES] && !(knobs & kKnobNoRowScales))
                 place_row_scales<FMT>(ep, a, rk, kTiled ? swizzle_row(s_tiles, s_offsets, g, rk) : rk, scales, lane,
                                       kWarp);
         }

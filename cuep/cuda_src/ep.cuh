@@ -122,6 +122,10 @@ constexpr int kKnobCombineSysLocal = 1 << 24;  // combine: a system-scope releas
 constexpr int kKnobCombineNoPoll = 1 << 25;    // combine: no polled partial sums (comb_poll): every token counted
 // dispatch: the receive copies no received payload to its rows (measurement only: wrong rows; tokens from x still go)
 constexpr int kKnobNoFanout = 1 << 26;
+// dispatch receive, measurement only: no per-row scales placed (wrong scales); large rounds' items whole rows, not
+// 2 KiB chunks
+constexpr int kKnobNoRowScales = 1 << 15;
+constexpr int kKnobFanoutWholeRows = 1 << 30;
 // v = bits 27-29 nonzero: v/8 of the blocks only receive, in a large fused dispatch round (default: dispatch.cu
 // large_recv_eighths) and in a fused combine (default: none)
 constexpr int kKnobRecvShareShift = 27;
