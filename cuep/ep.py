@@ -37,12 +37,12 @@ _NULL = np.uint64(0)
 
 
 def _env_knobs() -> int:
-    """Measurement knobs (ep.cuh, kKnob*): bits 8 and up of the dispatch and combine kernels' phase argument, from
+    """Measurement knobs (ep.cuh, kKnob*): bits 4 and up of the dispatch and combine kernels' phase argument, from
     ``CUEP_EP_KNOBS``, so one build times both sides of a design choice (development only; unset in use;
     ``scripts/ab_knobs.py`` alternates them in one process through ``cuep.ep._KNOBS``)."""
     raw = os.environ.get("CUEP_EP_KNOBS", "0")
     try:
-        return int(raw, 0) & ~0xFF
+        return int(raw, 0) & ~0xF
     except ValueError:
         raise ValueError(f"CUEP_EP_KNOBS={raw!r} must be an integer such as 0x200 (measurement bits of the EP "
                          f"kernels, see kKnob* in cuda_src/ep.cuh)") from None
@@ -193,8 +193,13 @@ def _dispatch_launch(buf: Buffer, staged: bool) -> tuple[int, int]:
                              f"next to the tallies ({fixed} B); dispatch bf16 input or a smaller hidden size")
     # receive phase: tallies, group offsets, scale tiles, and each staged source's message tokens (uint16)
     recv = tally + 4 * (-(-(cfg.n_groups + 1) // 4) * 4 + cfg.n_groups) + 2 * cfg.n_source_ranks * cfg.small_batch_tokens
+    if cfg.n_scales:  # then each warp's tile of the scale transposition (kTransposeWords in dispatch.cu)
+        recv = a16(recv) + warps * 4 * TRANSPOSE_WORDS
     buf._launch_cache[("dispatch", staged)] = out = (32 * warps, max(fixed + warps * staging, recv))
     return out
+
+
+TRANSPOSE_WORDS = 128 * 9  # dispatch.cu kTransposeWords: 32-bit words of shared memory per warp
 
 
 def _small_book_bytes(cfg) -> int:

@@ -63,6 +63,25 @@ def test_direct_rounds_with_a_rank_without_tokens(devices, rng):
 
 
 @pytest.mark.parametrize("devices", groups())
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "mxfp4"])
+@pytest.mark.parametrize("layout", ["staged", "direct"])
+def test_large_round_scale_layouts(devices, fmt, layout, rng, monkeypatch):
+    # A large round's receive stages its rows' scales row-major and transposes them into the output layout once
+    # they span 2 MiB (dispatch.cu kStageScalesFrom), below that it places them directly: the measurement knobs
+    # force either (kKnobStagedScales 0x20, kKnobDirectScales 0x10), with the shared expert's rows (group 0, placed
+    # by the send phase) and a staged source in the same round, across many 32-row and 128-row scale tiles.
+    monkeypatch.setattr(cuep.ep, "_KNOBS", {"staged": 0x20, "direct": 0x10}[layout])
+    R = len(devices)
+    for shared in (False, True):
+        cfg, buf = make(devices, hidden=2048, dispatch_format=fmt, fused_shared_expert=shared,
+                        max_tokens_per_rank=200, small_batch_tokens=16)
+        n = [10 if r == 0 and R > 1 else int(rng.integers(150, 201)) for r in range(R)]
+        run_round(buf, cfg, rng, n, weights_at="dispatch")
+        run_round(buf, cfg, rng, n, weights_at="combine", async_halves=True)
+        buf.close()
+
+
+@pytest.mark.parametrize("devices", groups())
 @pytest.mark.parametrize("hidden, top_k, fmt", [(2048, 1, "bf16"), (7168, 8, "fp8"), (7168, 8, "bf16"),
                                                  (2048, 8, "nvfp4"), (7168, 4, "mxfp4")])
 def test_shapes_and_skew(devices, hidden, top_k, fmt, rng):

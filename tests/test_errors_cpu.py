@@ -273,12 +273,12 @@ def test_init_weights_mistakes(kwargs, exc, match):
 
 
 def test_measurement_knobs_variable(monkeypatch):
-    """CUEP_EP_KNOBS (development A/B bits of the EP kernels) is an integer; its low byte (the phase bits) is ignored,
+    """CUEP_EP_KNOBS (development A/B bits of the EP kernels) is an integer; its low four bits (the phases) are ignored,
     and anything else is named in a clear error."""
     from cuep import ep
 
     monkeypatch.setenv("CUEP_EP_KNOBS", "0x3ff")
-    assert ep._env_knobs() == 0x300
+    assert ep._env_knobs() == 0x3f0
     monkeypatch.delenv("CUEP_EP_KNOBS")
     assert ep._env_knobs() == 0
     monkeypatch.setenv("CUEP_EP_KNOBS", "fast")

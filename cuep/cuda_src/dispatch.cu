@@ -86,6 +86,99 @@ __device__ void place_row_scales(const EP& ep, const DispatchArgs& a, long long 
     }
 }
 
+// ---- scales of large rounds: staged row-major, then transposed ------------------------------------------
+// The output layouts put a row's scales in a column (fp8: [n_scales, capacity]; fp4: 128x4 tiles, 16 bytes apart),
+// so a row placed alone writes 4 bytes into each of n_scales 32-byte sectors that other rows, placed at other times
+// by other warps, fill later. Under a large round's fan-out stream those sectors left L2 half written (2 x H200,
+// N = 8192 fp8: 437 us against 292 with no scales placed; an L2 evict-last policy on them: 387). A large round's
+// receive therefore stores each row's scales row-major in the private scale stage (whole sectors), and once every
+// receive block is done (blocks_barrier) the blocks transpose the stage into the output in tiles whose stores fill
+// whole lines. The stage holds fp8 [capacity, n_scales] floats, fp4 [scale rows, k_tiles] 4-byte words (word kt of
+// a scale row: its scales 4 kt .. 4 kt + 3, the output's 4-byte unit).
+__device__ __forceinline__ uint32_t* scale_stage(const EP& ep) {
+    return reinterpret_cast<uint32_t*>(ep.local(ep[P_OFF_SCALE_STAGE]));
+}
+template <int FMT>
+__device__ __forceinline__ void stage_row_scales(const EP& ep, long long scale_row, const uint8_t* src, int lane) {
+    uint32_t* stage = scale_stage(ep);
+    const int n_scales = static_cast<int>(ep[P_N_SCALES]);
+    if constexpr (FMT == kFmtFp8) {
+        const uint32_t* s = reinterpret_cast<const uint32_t*>(src);
+        for (int b = lane; b < n_scales; b += kWarp) stage[scale_row * n_scales + b] = s[b];
+    } else {
+        const int k_tiles = static_cast<int>(ep[P_K_TILES]);
+        for (int kt = lane; kt < k_tiles; kt += kWarp) {
+            uint32_t word = 0;
+#pragma unroll
+            for (int i = 0; i < kScaleTileCols; ++i) {
+                const int c = kt * kScaleTileCols + i;
+                if (c < n_scales) word |= uint32_t(src[c]) << (8 * i);
+            }
+            stage[scale_row * k_tiles + kt] = word;
+        }
+    }
+}
+
+// Scales of a round's rows (bytes, row-major) from which the receive stages them: below, the half-written sectors
+// mostly stay in L2 until full. 2 x H200 cold us, direct against staged: fp8 N = 1024 80.9 / 84.6, 4096 205.7 / 189.3,
+// 8192 443.3 / 328.5; nvfp4 N = 1024 92.9 / 82.1, 4096 221.0 / 184.8; mxfp4 4096 160.3 / 150.9.
+constexpr long long kStageScalesFrom = 2 << 20;
+
+// Shared memory per warp of the transposition (32 x 33 fp8 scales, or 128 rows x 9 fp4 words; ep.py reserves it
+// after the receive phase's tables).
+constexpr int kTransposeWords = 128 * 9;
+
+// The stage's rows [lo, hi) (fp8) or scale tiles [lo, hi) (fp4) to the output layout, warp w of n_warps taking
+// every n_warps-th tile; `tile` is the warp's kTransposeWords of shared memory. Loads bypass L1 (other SMs wrote the
+// stage in this launch).
+template <int FMT>
+__device__ void transpose_stage(const EP& ep, const DispatchArgs& a, unsigned lo, unsigned hi, uint32_t* tile,
+                                int warp, int n_warps, int lane) {
+    const uint32_t* stage = scale_stage(ep);
+    if (hi <= lo) return;
+    if constexpr (FMT == kFmtFp8) {
+        // 32 rows x 32 scales a tile: each row's 32 scales in one 128-byte load, each scale's 32 rows in one store
+        const int n = static_cast<int>(ep[P_N_SCALES]);
+        const long long cap = ep[P_CAPACITY];
+        uint32_t* out = static_cast<uint32_t*>(a.scales_out);
+        const unsigned t0 = lo / 32, n_rt = (hi + 31) / 32 - t0;
+        const int n_ct = (n + 31) / 32;
+        for (long long item = warp; item < static_cast<long long>(n_rt) * n_ct; item += n_warps) {
+            const unsigned r0 = (t0 + static_cast<unsigned>(item / n_ct)) * 32;
+            const int c0 = static_cast<int>(item % n_ct) * 32;
+            for (int i = 0; i < 32; ++i) {
+                const unsigned r = r0 + i;
+                if (r >= lo && r < hi && c0 + lane < n) tile[i * 33 + lane] = __ldcg(stage + static_cast<long long>(r) * n + c0 + lane);
+            }
+            __syncwarp();
+            const unsigned r = r0 + lane;
+            if (r >= lo && r < hi)
+                for (int j = 0; j < 32 && c0 + j < n; ++j) out[(c0 + j) * cap + r] = tile[lane * 33 + j];
+            __syncwarp();
+        }
+    } else {
+        // a 128-row tile's 8 words a pass: 4 rows' 32-byte runs per load, a 512-byte (tile, kt) block per store
+        // (lane l holds rows l, l + 32, l + 64, l + 96: bytes 16 l .. 16 l + 15 of the block)
+        const int k_tiles = static_cast<int>(ep[P_K_TILES]), n_kg = (k_tiles + 7) / 8;
+        uint8_t* out = static_cast<uint8_t*>(a.scales_out);
+        for (long long item = warp; item < static_cast<long long>(hi - lo) * n_kg; item += n_warps) {
+            const long long T = lo + item / n_kg;
+            const int kt0 = static_cast<int>(item % n_kg) * 8;
+            for (int i = 0; i < 32; ++i) {
+                const int r = i * 4 + lane / 8, kt = kt0 + lane % 8;
+                if (kt < k_tiles) tile[r * 9 + lane % 8] = __ldcg(stage + (T * kScaleTileRows + r) * k_tiles + kt);
+            }
+            __syncwarp();
+            for (int k = 0; k < 8 && kt0 + k < k_tiles; ++k) {
+                const uint4 v = make_uint4(tile[lane * 9 + k], tile[(lane + 32) * 9 + k], tile[(lane + 64) * 9 + k],
+                                           tile[(lane + 96) * 9 + k]);
+                *reinterpret_cast<uint4*>(out + (T * k_tiles + kt0 + k) * kScaleTileBytes + lane * 16) = v;
+            }
+            __syncwarp();
+        }
+    }
+}
+
 // ---- message chunk flags --------------------------------------------------------------------------------
 // A message (one token for one destination) may be sent by several warps, one per chunk. Every record (a large
 // round's metadata record, a small round's staging record) has a flag per chunk: after its stores and a
@@ -920,6 +1013,11 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
     unsigned* s_tiles = s_offsets + align_up(G + 1, 4);
     uint16_t* s_msg_tok = reinterpret_cast<uint16_t*>(s_tiles + G);  // [n_src, small_tokens] (staged sources)
     const int S = static_cast<int>(ep[P_SMALL_TOKENS]);
+    // then, 16-byte aligned, each warp's kTransposeWords for transpose_stage
+    uint32_t* s_transpose = reinterpret_cast<uint32_t*>(smem + align_up(
+        static_cast<int>(reinterpret_cast<char*>(s_msg_tok + n_src * S) - smem), 16)) +
+                            (threadIdx.x / kWarp) * kTransposeWords;
+    __shared__ unsigned s_tiles_end;
     const unsigned sleep_ns = poll_sleep_ns(knobs, 32);
     if (!load_tallies(ep, round, s_tally, K_DISPATCH_RECV, &s_ok, 2 * sleep_ns)) return;
     if (threadIdx.x == 0) {
@@ -973,6 +1071,7 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
             s_tiles[g] = tiles;
             tiles += (s_offsets[g + 1] - s_offsets[g] + kScaleTileRows - 1) / kScaleTileRows;
         }
+        s_tiles_end = tiles;
     }
     __syncthreads();
     if (block == 0) {
@@ -1013,7 +1112,14 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
     const bool all_staged = s_all_staged != 0;
     const int recv_warp = (threadIdx.x / kWarp) * n_blocks + block, n_recv_warps = n_blocks * n_warps;
     int* next_item = ctr + C_RECV_ITEM + par;
-    if (block == 0 && threadIdx.x == 0) ctr[C_RECV_ITEM + (par ^ 1)] = 0;
+    if (block == 0 && threadIdx.x == 0) ctr[C_RECV_ITEM + (par ^ 1)] = ctr[C_RECV_STAGED + (par ^ 1)] = 0;
+    // A large round's scales go through the scale stage (transpose_stage) once they span kStageScalesFrom bytes
+    // (knobs: kKnobDirectScales never, kKnobStagedScales always). (The fused shared expert's rows, group 0, are
+    // placed by the send phase, directly.)
+    const long long stage_bytes = kTiled ? static_cast<long long>(s_tiles_end) * kScaleTileRows * ep[P_K_TILES] * 4
+                                         : static_cast<long long>(s_offsets[G]) * ep[P_N_SCALES] * 4;
+    const bool defer = FMT != kFmtBf16 && ep[P_SCALE_BYTES] && !all_staged && !(knobs & kKnobDirectScales) &&
+                       (stage_bytes >= kStageScalesFrom || (knobs & kKnobStagedScales));
     auto claim = [&](int prev) {
         if (all_staged) return prev < 0 ? recv_warp : prev + n_recv_warps;
         return __shfl_sync(0xffffffffu, lane == 0 ? atomicAdd(next_item, 1) : 0, 0);
@@ -1130,9 +1236,11 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
             local &= local - 1;
             const int rk = __shfl_sync(0xffffffffu, row, k);
             const int g = sh + __shfl_sync(0xffffffffu, id, k) - rank * L;
-            if (ep[P_SCALE_BYTES] && !(knobs & kKnobNoRowScales))
-                place_row_scales<FMT>(ep, a, rk, kTiled ? swizzle_row(s_tiles, s_offsets, g, rk) : rk, scales, lane,
-                                      kWarp);
+            if (ep[P_SCALE_BYTES] && !(knobs & kKnobNoRowScales)) {
+                const long long srow = kTiled ? swizzle_row(s_tiles, s_offsets, g, rk) : rk;
+                if (defer) stage_row_scales<FMT>(ep, srow, scales, lane);
+                else place_row_scales<FMT>(ep, a, rk, srow, scales, lane, kWarp);
+            }
         }
         fan_out();
     }
@@ -1153,7 +1261,10 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
                 for (long long b = threadIdx.x; b < pb / 16; b += blockDim.x)
                     reinterpret_cast<int4*>(tokens + row * pb)[b] = make_int4(0, 0, 0, 0);
                 float* out = static_cast<float*>(a.scales_out);
-                for (int b = threadIdx.x; b < ep[P_N_SCALES]; b += blockDim.x) out[b * ep[P_CAPACITY] + row] = 0.f;
+                for (int b = threadIdx.x; b < ep[P_N_SCALES]; b += blockDim.x) {
+                    if (defer && g >= sh) scale_stage(ep)[row * ep[P_N_SCALES] + b] = 0u;
+                    else out[b * ep[P_CAPACITY] + row] = 0.f;
+                }
                 if (threadIdx.x == 0) {
                     a.src_info[2LL * row] = -1;
                     a.src_info[2LL * row + 1] = -1;
@@ -1168,10 +1279,21 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
             uint8_t* out = static_cast<uint8_t*>(a.scales_out);
             for (long long i = threadIdx.x; i < static_cast<long long>(pad_end - n) * k_tiles; i += blockDim.x) {
                 const long long srow = static_cast<long long>(s_tiles[g]) * kScaleTileRows + n + i / k_tiles;
-                *reinterpret_cast<uint32_t*>(
-                    out + swizzled_scale_offset(srow, static_cast<int>(i % k_tiles) * kScaleTileCols, k_tiles)) = 0u;
+                if (defer && g >= sh) scale_stage(ep)[srow * k_tiles + i % k_tiles] = 0u;
+                else
+                    *reinterpret_cast<uint32_t*>(
+                        out + swizzled_scale_offset(srow, static_cast<int>(i % k_tiles) * kScaleTileCols, k_tiles)) = 0u;
             }
         }
+    }
+    // The staged scales, once every receive block has staged its rows' (and padding's): the rows after the shared
+    // expert's (fp8) or their scale tiles (fp4), in whole-line tiles.
+    if (defer) {
+        if (!blocks_barrier(ep, ctr + C_RECV_STAGED + par, n_blocks, K_DISPATCH_RECV, &s_ok)) return;
+        CUEP_TRACE(ep, block == n_blocks - 1, 10);
+        if constexpr (kTiled) transpose_stage<FMT>(ep, a, s_tiles[sh], s_tiles_end, s_transpose, recv_warp, n_recv_warps, lane);
+        else transpose_stage<FMT>(ep, a, s_offsets[sh], s_offsets[G], s_transpose, recv_warp, n_recv_warps, lane);
+        CUEP_TRACE_LATEST(ep, threadIdx.x == 0, 27);
     }
 
     CUEP_TRACE(ep, block == n_blocks - 1, 9);

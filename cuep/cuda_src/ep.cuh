@@ -48,6 +48,7 @@ enum Param : int {
     P_OFF_SCRATCH,      // private: per-choice slots [T, K], per-(token, rank) message slots [T, 8], rank masks [T]
     P_OFF_STAGE,        // small rounds' messages [2 parities, n_src, small_tokens] x (meta | payload)
     P_OFF_COMB_POLL,    // bf16 partial sums of tokens < P_POLL_TOKENS [2 parities, P_POLL_TOKENS, dest ranks, H]
+    P_OFF_SCALE_STAGE,  // private: a large dispatch round's scales, row-major (dispatch.cu: transpose_stage)
     P_POLL_TOKENS,      // EPConfig.combine_poll_tokens (0: no comb_poll)
     P_TIMEOUT_NS,
     P_ERR_PTR,          // ErrorRecord* in host-mapped memory
@@ -71,7 +72,8 @@ struct EPParams {
 enum Counter : int {
     C_SMALL_TALLY = 0,    // round + 1 once block 0 issued a small round's tally and book stores (kKnobTallyWait)
     C_CREADY = 1,         // the last "any" combine readiness value this rank published (combine.cu)
-    C_ENTER_DISPATCH = 2, // blocks of the running dispatch kernel that read the rounds (count_entry); 4-7: unused
+    C_ENTER_DISPATCH = 2, // blocks of the running dispatch kernel that read the rounds (count_entry)
+    C_RECV_STAGED = 4,    // [2] dispatch receive blocks done staging a large round's scales, by parity; 6-7: unused
     C_ENTER_COMBINE = 3,  // the same for combine
     C_DISP_ROUND = 8,     // dispatch send rounds completed
     C_RECV_ROUND = 9,     // dispatch receive rounds completed
@@ -100,8 +102,12 @@ constexpr int kPhaseRecv = 4;     // wait for it and lay it out
 // dispatch: the send and receive phases of this round are one call with x (cuep.dispatch, not dispatch_async):
 // a small bf16 round's receiver then takes its own tokens straight from x (local_from_x), and no sender stages them
 constexpr int kPhaseLocalX = 8;
-// Measurement knobs, bits 8 and up of `phases` (CUEP_EP_KNOBS in the environment, read by cuep/ep.py; 0 in use):
+// Measurement knobs, bits 4 and up of `phases` (CUEP_EP_KNOBS in the environment, read by cuep/ep.py; 0 in use):
 // one build times both sides of a design choice.
+// dispatch receive of a large round: scales placed straight into the output layout, never through the scale
+// stage (dispatch.cu: transpose_stage), or always through it (default: from kStageScalesFrom bytes of scales)
+constexpr int kKnobDirectScales = 1 << 4;
+constexpr int kKnobStagedScales = 1 << 5;
 constexpr int kKnobSendersReceive = 1 << 8;  // dispatch, small fused round: the send blocks receive too
 constexpr int kKnobTallyWait = 1 << 9;       // dispatch, small round: send blocks wait for block 0's book stores
 // dispatch, small fused round: v = bits 10-14 nonzero: v/16 of the blocks send (16: all, then they receive too)
@@ -348,6 +354,30 @@ __device__ __forceinline__ bool last_block_done(int* done, int* s_flag, bool pee
     }
     __syncthreads();
     return *s_flag != 0;
+}
+
+// Grid barrier of the n_blocks blocks that call it (all threads; the blocks must be resident together, as an EP
+// launch's one block per SM is): each arrives on *count (zeroed a round ahead by its owner), then waits, bounded,
+// for all. The fences order every block's writes before the barrier with every block's reads after it.
+__device__ __forceinline__ bool blocks_barrier(const EP& ep, int* count, int n_blocks, int kernel, int* s_ok) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(count, 1);
+        int ok = 1;
+        SpinClock clock;
+        while (load_acquire_i32(count) < n_blocks) {
+            if (clock.stop(ep, kernel, -1)) {
+                ok = 0;
+                break;
+            }
+            __nanosleep(32);
+        }
+        __threadfence();
+        *s_ok = ok;
+    }
+    __syncthreads();
+    return *s_ok != 0;
 }
 
 // Spin (all threads of the block call it) until done(flags[i]) for every i < n, bounded by the timeout.
