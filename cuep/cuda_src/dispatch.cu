@@ -1277,12 +1277,23 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
             const unsigned pad_end = (n + kScaleTileRows - 1) / kScaleTileRows * kScaleTileRows;
             const int k_tiles = static_cast<int>(ep[P_K_TILES]);
             uint8_t* out = static_cast<uint8_t*>(a.scales_out);
-            for (long long i = threadIdx.x; i < static_cast<long long>(pad_end - n) * k_tiles; i += blockDim.x) {
-                const long long srow = static_cast<long long>(s_tiles[g]) * kScaleTileRows + n + i / k_tiles;
-                if (defer && g >= sh) scale_stage(ep)[srow * k_tiles + i % k_tiles] = 0u;
-                else
-                    *reinterpret_cast<uint32_t*>(
-                        out + swizzled_scale_offset(srow, static_cast<int>(i % k_tiles) * kScaleTileCols, k_tiles)) = 0u;
+            if (defer && g >= sh) {
+                for (long long i = threadIdx.x; i < static_cast<long long>(pad_end - n) * k_tiles; i += blockDim.x) {
+                    const long long srow = static_cast<long long>(s_tiles[g]) * kScaleTileRows + n + i / k_tiles;
+                    scale_stage(ep)[srow * k_tiles + i % k_tiles] = 0u;
+                }
+            } else if (pad_end > n) {
+                // The group's last tile, rows n % 128 .. 127, block by block: word w of a (tile, kt) 512-byte block
+                // holds row w / 4 + 32 (w % 4), so consecutive threads store consecutive words. (A word per (row, kt)
+                // in row order went 512 bytes apart: 1.7 M scattered stores, most of a 2 x H200 N = 128 nvfp4
+                // dispatch's 80 us.)
+                uint32_t* tile = reinterpret_cast<uint32_t*>(
+                    out + (static_cast<long long>(s_tiles[g]) + n / kScaleTileRows) * k_tiles * kScaleTileBytes);
+                const int first = static_cast<int>(n % kScaleTileRows), words = kScaleTileBytes / 4;
+                for (int i = threadIdx.x; i < k_tiles * words; i += blockDim.x) {
+                    const int w = i % words;
+                    if (w / 4 + 32 * (w % 4) >= first) tile[i] = 0u;
+                }
             }
         }
     }
