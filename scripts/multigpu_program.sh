@@ -3,7 +3,7 @@
 # (about 30 minutes a session) and the 4-GPU kind is rarely lent, so everything a session on a new machine needs
 # runs here, cheapest and most important first, each step logged under OUT and summed up at the end:
 #   1. the EP GPU tests (every rank count the machine has),
-#   2. the standard bench (prefill and decode, bf16 and fp8, with the ceilings and NCCL),
+#   2. the standard bench (prefill and decode, all four formats, with the ceilings and NCCL),
 #   3. in-process A/B of the shares that were tuned on 2 GPUs only (dispatch receive share of large rounds, knob bits
 #      27-29; send share of small rounds, bits 10-14; own tokens from x, 0x80000),
 #   4. the sweep over N (plots).
@@ -33,7 +33,7 @@ for s in $STEPS; do
         step tests 300 python3 -m pytest tests/test_ep_gpu.py tests/test_ep_ipc_gpu.py tests/test_moe_gpu.py \
             tests/test_errors_gpu.py -q --timeout 120 -p no:cacheprovider ;;
     bench)
-        TAIL=60 step bench 400 python3 -m cuep.bench --formats bf16 fp8 --shapes prefill decode --no-sweep \
+        TAIL=90 step bench 400 python3 -m cuep.bench --formats bf16 fp8 nvfp4 mxfp4 --shapes prefill decode --no-sweep \
             --repeats 10 --ceiling-mib 256 --out "$OUT/bench" ;;
     ab)
         for f in bf16 fp8; do
