@@ -120,8 +120,10 @@ __device__ __forceinline__ void stage_row_scales(const EP& ep, long long scale_r
 }
 
 // Scales of a round's rows (bytes, row-major) from which the receive stages them: below, the half-written sectors
-// mostly stay in L2 until full. 2 x H200 cold us, direct against staged: fp8 N = 1024 80.9 / 84.6, 4096 205.7 / 189.3,
-// 8192 443.3 / 328.5; nvfp4 N = 1024 92.9 / 82.1, 4096 221.0 / 184.8; mxfp4 4096 160.3 / 150.9.
+// mostly stay in L2 until full. 2 x H200 cold us, direct against staged: fp8 N = 1024 78.4 / 80.9 (another run:
+// 80.9 / 84.6), 2048 118.4 / 117.6, 4096 205.7 / 189.3, 8192 443.3 / 328.5 (about 0.9, 1.8, 3.7, 7.3, 14.7 MB of
+// scales at N = 512 .. 8192); nvfp4 N = 512 83.6 / 68.0, 1024 92.9 / 82.1, 4096 221.0 / 184.8; mxfp4 N = 1024
+// 74.1 / 69.0, 4096 160.3 / 150.9 (fp4 counts each group's padded tiles).
 constexpr long long kStageScalesFrom = 2 << 20;
 
 // Shared memory per warp of the transposition (32 x 33 fp8 scales, or 128 rows x 9 fp4 words; ep.py reserves it
@@ -148,7 +150,8 @@ __device__ void transpose_stage(const EP& ep, const DispatchArgs& a, unsigned lo
             const int c0 = static_cast<int>(item % n_ct) * 32;
             for (int i = 0; i < 32; ++i) {
                 const unsigned r = r0 + i;
-                if (r >= lo && r < hi && c0 + lane < n) tile[i * 33 + lane] = __ldcg(stage + static_cast<long long>(r) * n + c0 + lane);
+                if (r >= lo && r < hi && c0 + lane < n)
+                    tile[i * 33 + lane] = __ldcg(stage + static_cast<long long>(r) * n + c0 + lane);
             }
             __syncwarp();
             const unsigned r = r0 + lane;
@@ -1302,8 +1305,8 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
     if (defer) {
         if (!blocks_barrier(ep, ctr + C_RECV_STAGED + par, n_blocks, K_DISPATCH_RECV, &s_ok)) return;
         CUEP_TRACE(ep, block == n_blocks - 1, 10);
-        if constexpr (kTiled) transpose_stage<FMT>(ep, a, s_tiles[sh], s_tiles_end, s_transpose, recv_warp, n_recv_warps, lane);
-        else transpose_stage<FMT>(ep, a, s_offsets[sh], s_offsets[G], s_transpose, recv_warp, n_recv_warps, lane);
+        const unsigned lo = kTiled ? s_tiles[sh] : s_offsets[sh], hi = kTiled ? s_tiles_end : s_offsets[G];
+        transpose_stage<FMT>(ep, a, lo, hi, s_transpose, recv_warp, n_recv_warps, lane);
         CUEP_TRACE_LATEST(ep, threadIdx.x == 0, 27);
     }
 
