@@ -182,3 +182,24 @@ def test_swizzled_offset_is_a_bijection_on_a_tile():
     assert swizzled_scale_offset(0, 4, 2) == 512  # second K tile
     assert swizzled_scale_offset(128, 0, 2) == 1024  # second row tile
     assert swizzled_scale_offset(33, 2, 1) == 1 * 16 + 1 * 4 + 2
+
+
+def test_swizzled_tile_words_and_quads():
+    """What dispatch.cu's fp4 padding and scale transposition rely on: in a (tile, k-tile) 512-byte block, 4-byte
+    word w holds the 4 scales of row w // 4 + 32 (w % 4), so 16-byte quad j holds rows j, j + 32, j + 64, j + 96 and
+    lane l of a warp storing quad l writes rows l + 32 q; and padding rows first .. 127 are exactly the words of
+    rows >= first (whole quads from j = first, the other quads' words q with j + 32 q >= first)."""
+    k_tiles, T = 3, 2
+    for kt in range(k_tiles):
+        block = (T * k_tiles + kt) * 512
+        for w in range(128):
+            row = T * 128 + w // 4 + 32 * (w % 4)
+            assert swizzled_scale_offset(row, 4 * kt, k_tiles) == block + 4 * w
+    for first in (1, 5, 31, 32, 33, 100, 127):
+        want = {swizzled_scale_offset(T * 128 + r, 4 * kt, k_tiles) for r in range(first, 128) for kt in range(k_tiles)}
+        got = set()
+        for kt in range(k_tiles):
+            block = (T * k_tiles + kt) * 512
+            for j in range(32):
+                got |= {block + 16 * j + 4 * q for q in range(4) if j >= first or j + 32 * q >= first}
+        assert got == want, first
