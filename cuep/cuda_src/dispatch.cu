@@ -57,6 +57,18 @@ __device__ __forceinline__ long long swizzle_row(const unsigned* s_tile_start, c
     return static_cast<long long>(s_tile_start[g]) * kScaleTileRows + (row - s_row_offsets[g]);
 }
 
+// fp4: the 4-byte unit of the 128x4 tiled layout, a row's scales 4 kt .. 4 kt + 3 of its plain bytes `src` (zero
+// past n_scales).
+__device__ __forceinline__ uint32_t scale_word(const uint8_t* src, int kt, int n_scales) {
+    uint32_t word = 0;
+#pragma unroll
+    for (int i = 0; i < kScaleTileCols; ++i) {
+        const int c = kt * kScaleTileCols + i;
+        if (c < n_scales) word |= uint32_t(src[c]) << (8 * i);
+    }
+    return word;
+}
+
 // Write one row's scales (plain per-row bytes `src`) into the dispatch output layout; pad columns of swizzled
 // tiles are written as zero. Called by `nthreads` threads (a warp or a block), `tid` in [0, nthreads).
 // Only scale columns [b_lo, b_hi) (fp4: whole tiles of 4) when given.
@@ -74,15 +86,9 @@ __device__ void place_row_scales(const EP& ep, const DispatchArgs& a, long long 
         // byte-wise writes (each store goes to a sector other rows also write, which is what costs).
         uint8_t* out = static_cast<uint8_t*>(a.scales_out);
         const int k_tiles = static_cast<int>(ep[P_K_TILES]);
-        for (int kt = b_lo / kScaleTileCols + tid; kt < min(k_tiles, b_hi / kScaleTileCols); kt += nthreads) {
-            uint32_t word = 0;
-#pragma unroll
-            for (int i = 0; i < kScaleTileCols; ++i) {
-                const int c = kt * kScaleTileCols + i;
-                if (c < n_scales) word |= uint32_t(src[c]) << (8 * i);
-            }
-            *reinterpret_cast<uint32_t*>(out + swizzled_scale_offset(scale_row, kt * kScaleTileCols, k_tiles)) = word;
-        }
+        for (int kt = b_lo / kScaleTileCols + tid; kt < min(k_tiles, b_hi / kScaleTileCols); kt += nthreads)
+            *reinterpret_cast<uint32_t*>(out + swizzled_scale_offset(scale_row, kt * kScaleTileCols, k_tiles)) =
+                scale_word(src, kt, n_scales);
     }
 }
 
@@ -107,15 +113,7 @@ __device__ __forceinline__ void stage_row_scales(const EP& ep, long long scale_r
         for (int b = lane; b < n_scales; b += kWarp) stage[scale_row * n_scales + b] = s[b];
     } else {
         const int k_tiles = static_cast<int>(ep[P_K_TILES]);
-        for (int kt = lane; kt < k_tiles; kt += kWarp) {
-            uint32_t word = 0;
-#pragma unroll
-            for (int i = 0; i < kScaleTileCols; ++i) {
-                const int c = kt * kScaleTileCols + i;
-                if (c < n_scales) word |= uint32_t(src[c]) << (8 * i);
-            }
-            stage[scale_row * k_tiles + kt] = word;
-        }
+        for (int kt = lane; kt < k_tiles; kt += kWarp) stage[scale_row * k_tiles + kt] = scale_word(src, kt, n_scales);
     }
 }
 
@@ -395,6 +393,9 @@ __device__ __forceinline__ bool small_round(const EP& ep, int num_tokens) {
 __device__ __forceinline__ bool staged_source(const EP& ep, const int* s_tally, int s) {
     return ep[P_SMALL_TOKENS] > 0 && s_tally[s * tally_len(ep) + ep[P_N_EXPERTS]] <= ep[P_SMALL_TOKENS];
 }
+// Bytes of a record before its payload: metadata, then chunk flags (a meta record is just that).
+__device__ __forceinline__ long long record_head_bytes(const EP& ep) { return ep[P_STAGE_RECORD] - ep[P_PAYLOAD_BYTES]; }
+
 // The metadata record of message slot i of source s in rank `rank`'s buffer, followed by the message's chunk flags
 // (message_flags). Staged (a small round): record i (the token index) of the staging area at parity par: metadata,
 // chunk flags, payload (staged_payload). Direct: record i (the message slot) of the meta region, metadata (its first
@@ -402,14 +403,14 @@ __device__ __forceinline__ bool staged_source(const EP& ep, const int* s_tally, 
 __device__ __forceinline__ char* message_meta(const EP& ep, int rank, bool staged, int par, int s, int i) {
     if (staged)
         return ep.peer(rank, ep[P_OFF_STAGE]) + ((par * ep[P_N_SRC] + s) * ep[P_SMALL_TOKENS] + i) * ep[P_STAGE_RECORD];
-    const long long stride = ep[P_STAGE_RECORD] - ep[P_PAYLOAD_BYTES];  // metadata | chunk flags
+    const long long stride = record_head_bytes(ep);
     return ep.peer(rank, ep[P_OFF_META]) + (s * ep[P_MAX_TOKENS] + i) * stride;
 }
 __device__ __forceinline__ int* message_flags(const EP& ep, const char* meta) {
     return reinterpret_cast<int*>(const_cast<char*>(meta) + ep[P_META_BYTES]);
 }
 __device__ __forceinline__ char* staged_payload(const EP& ep, const char* meta) {
-    return const_cast<char*>(meta) + ep[P_STAGE_RECORD] - ep[P_PAYLOAD_BYTES];
+    return const_cast<char*>(meta) + record_head_bytes(ep);
 }
 // Chunk flags of a record: one per 256-value span of the hidden size (cuep/config.py: stage_flag_bytes).
 __device__ __forceinline__ int message_flag_count(const EP& ep) {
