@@ -32,7 +32,7 @@ PARAM_FIELDS = [
     "payload_bytes", "scale_bytes", "row_align", "n_scales", "k_tiles", "n_groups", "shared", "skip_a2a",
     "capacity", "meta_bytes", "meta_ids", "meta_w", "meta_rows", "meta_scales", "combine_itemsize",
     "small_tokens", "stage_record", "off_tokens", "off_comb_recv", "off_meta", "off_tally", "off_comb_ready",
-    "off_comb_arrived", "off_counters", "off_scratch", "off_stage", "off_comb_poll", "off_scale_stage", "poll_tokens",
+    "off_comb_arrived", "off_counters", "off_scratch", "off_stage", "off_comb_poll", "off_scale_rows", "poll_tokens",
     "timeout_ns",
     "err_ptr",
 ] + [f"peer_base{i}" for i in range(8)]
@@ -227,7 +227,7 @@ class Buffer:
                 stage_record=cfg.stage_record_bytes, timeout_ns=int(self.timeout_s * 1e9), err_ptr=r.err_host_ptr,
                 **{f"off_{k}": regions[k][0] for k in ("tokens", "comb_recv", "meta", "tally",
                                                        "comb_ready", "comb_arrived", "counters",
-                                                       "scratch", "stage", "comb_poll", "scale_stage")},
+                                                       "scratch", "stage", "comb_poll", "scale_rows")},
                 poll_tokens=cfg.combine_poll_tokens,
                 **{f"peer_base{i}": bases[i] for i in range(8)})
             r.params = params_argument([v[f] for f in PARAM_FIELDS])

@@ -247,8 +247,9 @@ class EPConfig:
         to their rows; then uint64 [2 parities, sources, :attr:`small_book_len`]: each source's book row, stamped
         like the tally). Peers write ``comb_poll`` (bf16 [2 parities, :attr:`combine_poll_tokens`, destination ranks,
         H]: the partial sums of a round's first tokens, polled by the receiver, which sets what it read back to all
-        ones; empty when the combine cannot use it). ``scale_stage`` (private, :attr:`scales_bytes`): a large
-        dispatch round's scales, row-major, before the receive transposes them into the output layout.
+        ones; empty when the combine cannot use it). ``scale_rows`` (private, uint32 [:attr:`scale_rows`]): where
+        each row's scales are in a large dispatch round (byte offset / 4 from the buffer base), for the gather
+        into the output layout at the round's end.
         There is no send buffer: a token is encoded once, in shared memory, and stored straight into each
         destination over NVLink.
         """
@@ -262,7 +263,7 @@ class EPConfig:
                  ("scratch", 4 * (T * (self.top_k + 8 + 1) + NOTIFY_RANGES * 8)),
                  ("stage", 2 * S * (self.small_batch_tokens * self.stage_record_bytes + 8 * self.small_book_len)),
                  ("comb_poll", 2 * self.combine_poll_tokens * self.combine_dest_ranks * self.hidden * 2),
-                 ("scale_stage", self.scales_bytes)]
+                 ("scale_rows", 4 * self.scale_rows)]
         out, off = {}, 0
         for name, size in sizes:
             out[name] = (off, size)
@@ -287,10 +288,16 @@ class EPConfig:
         return self.capacity * 8 + self.scales_bytes + self.handle_bytes
 
     @property
+    def scale_rows(self) -> int:
+        """Rows of the dispatch output's scales: fp8 ``capacity``, fp4 128 per possible scale tile, bf16 0."""
+        if self.fmt.name == "bf16":
+            return 0
+        return self.capacity if self.fmt.name == "fp8" else self.swizzled_scale_tiles * SCALE_TILE_ROWS
+
+    @property
     def scales_bytes(self) -> int:
         """Bytes of the dispatch output's scales (fp8: float32 [n_scales, capacity]; fp4: the 128x4-tiled bytes;
-        0 for bf16), and of the ``scale_stage`` region, which holds the same scales row-major while a large round
-        is received."""
+        0 for bf16)."""
         if self.fmt.name == "bf16":
             return 0
         return 4 * self.n_scales * self.capacity if self.fmt.name == "fp8" else int(self.scales_shape[0])

@@ -193,13 +193,8 @@ def _dispatch_launch(buf: Buffer, staged: bool) -> tuple[int, int]:
                              f"next to the tallies ({fixed} B); dispatch bf16 input or a smaller hidden size")
     # receive phase: tallies, group offsets, scale tiles, and each staged source's message tokens (uint16)
     recv = tally + 4 * (-(-(cfg.n_groups + 1) // 4) * 4 + cfg.n_groups) + 2 * cfg.n_source_ranks * cfg.small_batch_tokens
-    if cfg.n_scales:  # then each warp's tile of the scale transposition (kTransposeWords in dispatch.cu)
-        recv = a16(recv) + warps * 4 * TRANSPOSE_WORDS
     buf._launch_cache[("dispatch", staged)] = out = (32 * warps, max(fixed + warps * staging, recv))
     return out
-
-
-TRANSPOSE_WORDS = 128 * 9  # dispatch.cu kTransposeWords: 32-bit words of shared memory per warp
 
 
 def _small_book_bytes(cfg) -> int:

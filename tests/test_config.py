@@ -66,9 +66,11 @@ def test_derived_sizes(fmt, shared, skip):
     assert cfg.buffer_regions["tokens"][1] == cfg.capacity * m.payload_bytes
     assert cfg.buffer_regions["meta"][1] == src * T * (m.meta_bytes + cfg.stage_flag_bytes)
     assert cfg.total_bytes == cfg.buffer_bytes + cfg.output_bytes
-    # the scale stage holds the output's scales row-major while a large round is received
+    # where each row's (fp8) or scale row's (fp4) scales are in a large round: one uint32 per row of the scales
     scales = {"bf16": 0, "fp8": 4 * (H // 128) * cfg.capacity}.get(fmt, cfg.scales_shape[0])
-    assert cfg.scales_bytes == scales and cfg.buffer_regions["scale_stage"][1] == scales
+    rows = {"bf16": 0, "fp8": cfg.capacity}.get(fmt, cfg.swizzled_scale_tiles * 128)
+    assert cfg.scales_bytes == scales and cfg.scale_rows == rows
+    assert cfg.buffer_regions["scale_rows"][1] == 4 * rows
     regions = sorted(cfg.buffer_regions.values())
     for (o1, s1), (o2, _) in zip(regions, regions[1:]):
         assert o1 % 256 == 0 and o1 + s1 <= o2

@@ -92,90 +92,111 @@ __device__ void place_row_scales(const EP& ep, const DispatchArgs& a, long long 
     }
 }
 
-// ---- scales of large rounds: staged row-major, then transposed ------------------------------------------
+// ---- scales of large rounds: gathered from the messages, in whole lines ---------------------------------
 // The output layouts put a row's scales in a column (fp8: [n_scales, capacity]; fp4: 128x4 tiles, 16 bytes apart),
 // so a row placed alone writes 4 bytes into each of n_scales 32-byte sectors that other rows, placed at other times
 // by other warps, fill later. Under a large round's fan-out stream those sectors left L2 half written (2 x H200,
 // N = 8192 fp8: 437 us against 292 with no scales placed; an L2 evict-last policy on them: 387). A large round's
-// receive therefore stores each row's scales row-major in the private scale stage (whole sectors), and once every
-// receive block is done (blocks_barrier) the blocks transpose the stage into the output in tiles whose stores fill
-// whole lines. The stage holds fp8 [capacity, n_scales] floats, fp4 [scale rows, k_tiles] 4-byte words (word kt of
-// a scale row: its scales 4 kt .. 4 kt + 3, the output's 4-byte unit).
-__device__ __forceinline__ uint32_t* scale_stage(const EP& ep) {
-    return reinterpret_cast<uint32_t*>(ep.local(ep[P_OFF_SCALE_STAGE]));
+// receive therefore only notes, per row (fp8) or scale row (fp4), where its message's scales are (scale_rows: the
+// scales' byte offset from this rank's buffer base / 4, kPadScales for a padding row), and once every receive block
+// is done (blocks_barrier) the blocks gather the scales from the messages (their meta or staging records, which no
+// sender rewrites before this launch ends) into the output in tiles whose stores fill whole lines. (Staging each
+// row's scales row-major in a region of the output's size, then transposing it, wrote the scales one more time:
+// fp8 N = 8192 322.6 us, 309.5 without the transposition.)
+constexpr uint32_t kPadScales = 0xFFFFFFFFu;
+__device__ __forceinline__ uint32_t* scale_rows(const EP& ep) {
+    return reinterpret_cast<uint32_t*>(ep.local(ep[P_OFF_SCALE_ROWS]));
 }
-template <int FMT>
-__device__ __forceinline__ void stage_row_scales(const EP& ep, long long scale_row, const uint8_t* src, int lane) {
-    uint32_t* stage = scale_stage(ep);
-    const int n_scales = static_cast<int>(ep[P_N_SCALES]);
-    if constexpr (FMT == kFmtFp8) {
-        const uint32_t* s = reinterpret_cast<const uint32_t*>(src);
-        for (int b = lane; b < n_scales; b += kWarp) stage[scale_row * n_scales + b] = s[b];
-    } else {
-        const int k_tiles = static_cast<int>(ep[P_K_TILES]);
-        for (int kt = lane; kt < k_tiles; kt += kWarp) stage[scale_row * k_tiles + kt] = scale_word(src, kt, n_scales);
-    }
+__device__ __forceinline__ uint32_t scale_ref(const EP& ep, const uint8_t* scales) {
+    return static_cast<uint32_t>((scales - reinterpret_cast<const uint8_t*>(ep.local(0))) / 4);
 }
 
-// Scales of a round's rows (bytes, row-major) from which the receive stages them: below, the half-written sectors
-// mostly stay in L2 until full. 2 x H200 cold us, direct against staged: fp8 N = 1024 78.4 / 80.9 (another run:
-// 80.9 / 84.6), 2048 118.4 / 117.6, 4096 205.7 / 189.3, 8192 443.3 / 328.5 (about 0.9, 1.8, 3.7, 7.3, 14.7 MB of
-// scales at N = 512 .. 8192); nvfp4 N = 512 83.6 / 68.0, 1024 92.9 / 82.1, 4096 221.0 / 184.8; mxfp4 N = 1024
-// 74.1 / 69.0, 4096 160.3 / 150.9 (fp4 counts each group's padded tiles).
+// Scales of a round's rows (bytes, row-major) from which the receive gathers them: below, the half-written sectors
+// mostly stay in L2 until full. 2 x H200 cold us, direct against staged (the stage that came before the gather):
+// fp8 N = 1024 78.4 / 80.9 (another run: 80.9 / 84.6), 2048 118.4 / 117.6, 4096 205.7 / 189.3, 8192 443.3 / 328.5
+// (about 0.9, 1.8, 3.7, 7.3, 14.7 MB of scales at N = 512 .. 8192); nvfp4 N = 512 83.6 / 68.0, 1024 92.9 / 82.1,
+// 4096 221.0 / 184.8; mxfp4 N = 1024 74.1 / 69.0, 4096 160.3 / 150.9 (fp4 counts each group's padded tiles).
 constexpr long long kStageScalesFrom = 2 << 20;
 
-// Shared memory per warp of the transposition (32 x 33 fp8 scales, or 128 rows x 9 fp4 words; ep.py reserves it
-// after the receive phase's tables).
-constexpr int kTransposeWords = 128 * 9;
-
-// The stage's rows [lo, hi) (fp8) or scale tiles [lo, hi) (fp4) to the output layout, warp w of n_warps taking
-// every n_warps-th tile; `tile` is the warp's kTransposeWords of shared memory. Loads bypass L1 (other SMs wrote the
-// stage in this launch).
+// Output rows [lo, hi) (fp8) or scale tiles [lo, hi) (fp4) from the messages' scales, warp w of n_warps taking
+// every n_warps-th piece, every load of a piece issued before its stores. fp8: a piece is 32 rows, lane l row
+// 32 p + l, its scales 16 at a time (four 16-byte loads), scale b of the 32 rows stored as one 128-byte line. fp4:
+// a piece is a 128-row scale tile and 16 k-tiles; lane l takes rows l, l + 32, l + 64, l + 96, 4 words (16 bytes)
+// of each row a load, and stores bytes 16 l .. 16 l + 15 of each (tile, kt) 512-byte block. Loads bypass L1 (peers
+// wrote the messages).
 template <int FMT>
-__device__ void transpose_stage(const EP& ep, const DispatchArgs& a, unsigned lo, unsigned hi, uint32_t* tile,
-                                int warp, int n_warps, int lane) {
-    const uint32_t* stage = scale_stage(ep);
+__device__ void gather_scales(const EP& ep, const DispatchArgs& a, unsigned lo, unsigned hi, int warp, int n_warps,
+                              int lane) {
     if (hi <= lo) return;
+    const uint32_t* rows = scale_rows(ep);
+    const uint8_t* base = reinterpret_cast<const uint8_t*>(ep.local(0));
+    const int n_scales = static_cast<int>(ep[P_N_SCALES]);
     if constexpr (FMT == kFmtFp8) {
-        // 32 rows x 32 scales a tile: each row's 32 scales in one 128-byte load, each scale's 32 rows in one store
-        const int n = static_cast<int>(ep[P_N_SCALES]);
         const long long cap = ep[P_CAPACITY];
         uint32_t* out = static_cast<uint32_t*>(a.scales_out);
-        const unsigned t0 = lo / 32, n_rt = (hi + 31) / 32 - t0;
-        const int n_ct = (n + 31) / 32;
-        for (long long item = warp; item < static_cast<long long>(n_rt) * n_ct; item += n_warps) {
-            const unsigned r0 = (t0 + static_cast<unsigned>(item / n_ct)) * 32;
-            const int c0 = static_cast<int>(item % n_ct) * 32;
-            for (int i = 0; i < 32; ++i) {
-                const unsigned r = r0 + i;
-                if (r >= lo && r < hi && c0 + lane < n)
-                    tile[i * 33 + lane] = __ldcg(stage + static_cast<long long>(r) * n + c0 + lane);
+        const unsigned p0 = lo / 32, n_pieces = (hi + 31) / 32 - p0;
+        for (unsigned p = p0 + warp; p < p0 + n_pieces; p += n_warps) {
+            const unsigned r = p * 32 + lane;
+            if (r < lo || r >= hi) continue;
+            const uint32_t ref = rows[r];
+            const uint32_t* src = reinterpret_cast<const uint32_t*>(base + 4LL * ref);
+            const bool vec = ref != kPadScales && (ref % 4 == 0) && n_scales % 4 == 0;  // 16-byte aligned rows
+            for (int b0 = 0; b0 < n_scales; b0 += 16) {
+                uint32_t v[16];
+#pragma unroll
+                for (int j = 0; j < 16; ++j) v[j] = 0u;
+                if (vec) {
+#pragma unroll
+                    for (int j = 0; j < 4; ++j)
+                        if (b0 + 4 * j < n_scales) {
+                            const uint4 q = __ldcg(reinterpret_cast<const uint4*>(src + b0) + j);
+                            v[4 * j] = q.x, v[4 * j + 1] = q.y, v[4 * j + 2] = q.z, v[4 * j + 3] = q.w;
+                        }
+                } else if (ref != kPadScales) {
+#pragma unroll
+                    for (int j = 0; j < 16; ++j)
+                        if (b0 + j < n_scales) v[j] = __ldcg(src + b0 + j);
+                }
+#pragma unroll
+                for (int j = 0; j < 16; ++j)
+                    if (b0 + j < n_scales) out[(b0 + j) * cap + r] = v[j];
             }
-            __syncwarp();
-            const unsigned r = r0 + lane;
-            if (r >= lo && r < hi)
-                for (int j = 0; j < 32 && c0 + j < n; ++j) out[(c0 + j) * cap + r] = tile[lane * 33 + j];
-            __syncwarp();
         }
     } else {
-        // a 128-row tile's 8 words a pass: 4 rows' 32-byte runs per load, a 512-byte (tile, kt) block per store
-        // (lane l holds rows l, l + 32, l + 64, l + 96: bytes 16 l .. 16 l + 15 of the block)
-        const int k_tiles = static_cast<int>(ep[P_K_TILES]), n_kg = (k_tiles + 7) / 8;
-        uint8_t* out = static_cast<uint8_t*>(a.scales_out);
+        const int k_tiles = static_cast<int>(ep[P_K_TILES]), n_kg = (k_tiles + 15) / 16;
+        const bool whole_words = n_scales % 4 == 0;  // else the last word of a row has bytes past the scales
         for (long long item = warp; item < static_cast<long long>(hi - lo) * n_kg; item += n_warps) {
             const long long T = lo + item / n_kg;
-            const int kt0 = static_cast<int>(item % n_kg) * 8;
-            for (int i = 0; i < 32; ++i) {
-                const int r = i * 4 + lane / 8, kt = kt0 + lane % 8;
-                if (kt < k_tiles) tile[r * 9 + lane % 8] = __ldcg(stage + (T * kScaleTileRows + r) * k_tiles + kt);
+            const int kt0 = static_cast<int>(item % n_kg) * 16;
+            uint32_t v[4][16];
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const uint32_t ref = rows[T * kScaleTileRows + lane + 32 * q];
+                const uint8_t* src = base + 4LL * ref;
+#pragma unroll
+                for (int k = 0; k < 16; ++k) v[q][k] = 0u;
+                if (ref == kPadScales) continue;
+                if (whole_words && ref % 4 == 0) {  // 16-byte aligned rows
+#pragma unroll
+                    for (int j = 0; j < 4; ++j)
+                        if (kt0 + 4 * j < k_tiles) {
+                            const uint4 w = __ldcg(reinterpret_cast<const uint4*>(src) + kt0 / 4 + j);
+                            v[q][4 * j] = w.x, v[q][4 * j + 1] = w.y, v[q][4 * j + 2] = w.z, v[q][4 * j + 3] = w.w;
+                        }
+                } else {
+#pragma unroll
+                    for (int k = 0; k < 16; ++k)
+                        for (int i = 0; i < kScaleTileCols; ++i) {
+                            const int c = (kt0 + k) * kScaleTileCols + i;
+                            if (kt0 + k < k_tiles && c < n_scales) v[q][k] |= uint32_t(__ldcg(src + c)) << (8 * i);
+                        }
+                }
             }
-            __syncwarp();
-            for (int k = 0; k < 8 && kt0 + k < k_tiles; ++k) {
-                const uint4 v = make_uint4(tile[lane * 9 + k], tile[(lane + 32) * 9 + k], tile[(lane + 64) * 9 + k],
-                                           tile[(lane + 96) * 9 + k]);
-                *reinterpret_cast<uint4*>(out + (T * k_tiles + kt0 + k) * kScaleTileBytes + lane * 16) = v;
-            }
-            __syncwarp();
+            uint8_t* out = static_cast<uint8_t*>(a.scales_out) + (T * k_tiles + kt0) * kScaleTileBytes + lane * 16;
+#pragma unroll
+            for (int k = 0; k < 16; ++k)
+                if (kt0 + k < k_tiles)
+                    *reinterpret_cast<uint4*>(out + k * kScaleTileBytes) = make_uint4(v[0][k], v[1][k], v[2][k], v[3][k]);
         }
     }
 }
@@ -1017,10 +1038,6 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
     unsigned* s_tiles = s_offsets + align_up(G + 1, 4);
     uint16_t* s_msg_tok = reinterpret_cast<uint16_t*>(s_tiles + G);  // [n_src, small_tokens] (staged sources)
     const int S = static_cast<int>(ep[P_SMALL_TOKENS]);
-    // then, 16-byte aligned, each warp's kTransposeWords for transpose_stage
-    uint32_t* s_transpose = reinterpret_cast<uint32_t*>(smem + align_up(
-        static_cast<int>(reinterpret_cast<char*>(s_msg_tok + n_src * S) - smem), 16)) +
-                            (threadIdx.x / kWarp) * kTransposeWords;
     __shared__ unsigned s_tiles_end;
     const unsigned sleep_ns = poll_sleep_ns(knobs, 32);
     if (!load_tallies(ep, round, s_tally, K_DISPATCH_RECV, &s_ok, 2 * sleep_ns)) return;
@@ -1117,7 +1134,8 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
     const int recv_warp = (threadIdx.x / kWarp) * n_blocks + block, n_recv_warps = n_blocks * n_warps;
     int* next_item = ctr + C_RECV_ITEM + par;
     if (block == 0 && threadIdx.x == 0) ctr[C_RECV_ITEM + (par ^ 1)] = ctr[C_RECV_STAGED + (par ^ 1)] = 0;
-    // A large round's scales go through the scale stage (transpose_stage) once they span kStageScalesFrom bytes
+    // A large round's scales are gathered from the messages at its end (gather_scales) once they span
+    // kStageScalesFrom bytes
     // (knobs: kKnobDirectScales never, kKnobStagedScales always). (The fused shared expert's rows, group 0, are
     // placed by the send phase, directly.)
     const long long stage_bytes = kTiled ? static_cast<long long>(s_tiles_end) * kScaleTileRows * ep[P_K_TILES] * 4
@@ -1242,8 +1260,8 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
             const int g = sh + __shfl_sync(0xffffffffu, id, k) - rank * L;
             if (ep[P_SCALE_BYTES] && !(knobs & kKnobNoRowScales)) {
                 const long long srow = kTiled ? swizzle_row(s_tiles, s_offsets, g, rk) : rk;
-                if (defer) stage_row_scales<FMT>(ep, srow, scales, lane);
-                else place_row_scales<FMT>(ep, a, rk, srow, scales, lane, kWarp);
+                if (!defer) place_row_scales<FMT>(ep, a, rk, srow, scales, lane, kWarp);
+                else if (lane == 0) scale_rows(ep)[srow] = scale_ref(ep, scales);
             }
         }
         fan_out();
@@ -1265,9 +1283,10 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
                 for (long long b = threadIdx.x; b < pb / 16; b += blockDim.x)
                     reinterpret_cast<int4*>(tokens + row * pb)[b] = make_int4(0, 0, 0, 0);
                 float* out = static_cast<float*>(a.scales_out);
-                for (int b = threadIdx.x; b < ep[P_N_SCALES]; b += blockDim.x) {
-                    if (defer && g >= sh) scale_stage(ep)[row * ep[P_N_SCALES] + b] = 0u;
-                    else out[b * ep[P_CAPACITY] + row] = 0.f;
+                if (defer && g >= sh) {
+                    if (threadIdx.x == 0) scale_rows(ep)[row] = kPadScales;
+                } else {
+                    for (int b = threadIdx.x; b < ep[P_N_SCALES]; b += blockDim.x) out[b * ep[P_CAPACITY] + row] = 0.f;
                 }
                 if (threadIdx.x == 0) {
                     a.src_info[2LL * row] = -1;
@@ -1282,10 +1301,8 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
             const int k_tiles = static_cast<int>(ep[P_K_TILES]);
             uint8_t* out = static_cast<uint8_t*>(a.scales_out);
             if (defer && g >= sh) {
-                for (long long i = threadIdx.x; i < static_cast<long long>(pad_end - n) * k_tiles; i += blockDim.x) {
-                    const long long srow = static_cast<long long>(s_tiles[g]) * kScaleTileRows + n + i / k_tiles;
-                    scale_stage(ep)[srow * k_tiles + i % k_tiles] = 0u;
-                }
+                for (unsigned i = threadIdx.x; i < pad_end - n; i += blockDim.x)
+                    scale_rows(ep)[static_cast<long long>(s_tiles[g]) * kScaleTileRows + n + i] = kPadScales;
             } else if (pad_end > n) {
                 // The group's last tile, rows n % 128 .. 127, block by block: word w of a (tile, kt) 512-byte block
                 // holds row w / 4 + 32 (w % 4), so consecutive threads store consecutive words. (A word per (row, kt)
@@ -1301,13 +1318,13 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
             }
         }
     }
-    // The staged scales, once every receive block has staged its rows' (and padding's): the rows after the shared
-    // expert's (fp8) or their scale tiles (fp4), in whole-line tiles.
+    // The scales, once every receive block has noted its rows' (and padding's): the rows after the shared expert's
+    // (fp8) or their scale tiles (fp4), in whole lines.
     if (defer) {
         if (!blocks_barrier(ep, ctr + C_RECV_STAGED + par, n_blocks, K_DISPATCH_RECV, &s_ok)) return;
         CUEP_TRACE(ep, block == n_blocks - 1, 10);
         const unsigned lo = kTiled ? s_tiles[sh] : s_offsets[sh], hi = kTiled ? s_tiles_end : s_offsets[G];
-        transpose_stage<FMT>(ep, a, lo, hi, s_transpose, recv_warp, n_recv_warps, lane);
+        gather_scales<FMT>(ep, a, lo, hi, recv_warp, n_recv_warps, lane);
         CUEP_TRACE_LATEST(ep, threadIdx.x == 0, 27);
     }
 

@@ -48,7 +48,7 @@ enum Param : int {
     P_OFF_SCRATCH,      // private: per-choice slots [T, K], per-(token, rank) message slots [T, 8], rank masks [T]
     P_OFF_STAGE,        // small rounds' messages [2 parities, n_src, small_tokens] x (meta | payload)
     P_OFF_COMB_POLL,    // bf16 partial sums of tokens < P_POLL_TOKENS [2 parities, P_POLL_TOKENS, dest ranks, H]
-    P_OFF_SCALE_STAGE,  // private: a large dispatch round's scales, row-major (dispatch.cu: transpose_stage)
+    P_OFF_SCALE_ROWS,   // private: where each row's scales are in a large dispatch round (dispatch.cu)
     P_POLL_TOKENS,      // EPConfig.combine_poll_tokens (0: no comb_poll)
     P_TIMEOUT_NS,
     P_ERR_PTR,          // ErrorRecord* in host-mapped memory
@@ -104,8 +104,8 @@ constexpr int kPhaseRecv = 4;     // wait for it and lay it out
 constexpr int kPhaseLocalX = 8;
 // Measurement knobs, bits 4 and up of `phases` (CUEP_EP_KNOBS in the environment, read by cuep/ep.py; 0 in use):
 // one build times both sides of a design choice.
-// dispatch receive of a large round: scales placed straight into the output layout, never through the scale
-// stage (dispatch.cu: transpose_stage), or always through it (default: from kStageScalesFrom bytes of scales)
+// dispatch receive of a large round: scales placed straight into the output layout, never gathered at the round's
+// end (dispatch.cu: gather_scales), or always gathered (default: from kStageScalesFrom bytes of scales)
 constexpr int kKnobDirectScales = 1 << 4;
 constexpr int kKnobStagedScales = 1 << 5;
 constexpr int kKnobSendersReceive = 1 << 8;  // dispatch, small fused round: the send blocks receive too
