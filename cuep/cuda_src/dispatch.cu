@@ -1146,6 +1146,65 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
         if (all_staged) return prev < 0 ? recv_warp : prev + n_recv_warps;
         return __shfl_sync(0xffffffffu, lane == 0 ? atomicAdd(next_item, 1) : 0, 0);
     };
+    // Padding: fp8 rows up to each group's multiple of 4; fp4 scale tiles past each group's last row. Before the
+    // messages: it needs only the layout, so it fills the wait for the first flags (at decode the receive blocks
+    // wait several microseconds for the first message; padding after the messages was on the round's critical path).
+    for (int g = block; g < G; g += n_blocks) {
+        const unsigned begin = s_offsets[g], end = s_offsets[g + 1];
+        unsigned used = end;
+        if (sh && g == 0) used = s_tally[(ep[P_SKIP_A2A] ? 0 : rank) * E1 + E];
+        else {
+            int n = 0;
+            for (int s = 0; s < n_src; ++s) n += s_tally[s * E1 + rank * L + (g - sh)];
+            used = begin + n;
+        }
+        if constexpr (FMT == kFmtFp8) {
+            for (unsigned row = used; row < end; ++row) {
+                for (long long b = threadIdx.x; b < pb / 16; b += blockDim.x)
+                    reinterpret_cast<int4*>(tokens + row * pb)[b] = make_int4(0, 0, 0, 0);
+                float* out = static_cast<float*>(a.scales_out);
+                if (defer && g >= sh) {
+                    if (threadIdx.x == 0) scale_rows(ep)[row] = kPadScales;
+                } else {
+                    for (int b = threadIdx.x; b < ep[P_N_SCALES]; b += blockDim.x) out[b * ep[P_CAPACITY] + row] = 0.f;
+                }
+                if (threadIdx.x == 0) {
+                    a.src_info[2LL * row] = -1;
+                    a.src_info[2LL * row + 1] = -1;
+                    a.row_src[row] = -1;
+                    a.row_weight[row] = 0.f;
+                }
+            }
+        } else if constexpr (FMT == kFmtNvfp4 || FMT == kFmtMxfp4) {
+            const unsigned n = used - begin;
+            const unsigned pad_end = (n + kScaleTileRows - 1) / kScaleTileRows * kScaleTileRows;
+            const int k_tiles = static_cast<int>(ep[P_K_TILES]);
+            uint8_t* out = static_cast<uint8_t*>(a.scales_out);
+            if (defer && g >= sh) {
+                for (unsigned i = threadIdx.x; i < pad_end - n; i += blockDim.x)
+                    scale_rows(ep)[static_cast<long long>(s_tiles[g]) * kScaleTileRows + n + i] = kPadScales;
+            } else if (pad_end > n) {
+                // The group's last tile, rows n % 128 .. 127, block by block, consecutive threads on consecutive
+                // 16-byte quads: quad j of a (tile, kt) 512-byte block holds rows j, j + 32, j + 64, j + 96 (word q:
+                // row j + 32 q). A quad of padding rows only is one store; otherwise its padding words go one by one
+                // (the message warps store the real rows' words meanwhile). (A word per (row, kt) in row order went
+                // 512 bytes apart: 1.7 M scattered stores, most of a 2 x H200 N = 128 nvfp4 dispatch's 80 us.)
+                uint4* tile = reinterpret_cast<uint4*>(
+                    out + (static_cast<long long>(s_tiles[g]) + n / kScaleTileRows) * k_tiles * kScaleTileBytes);
+                const int first = static_cast<int>(n % kScaleTileRows), quads = kScaleTileBytes / 16;
+                for (int i = threadIdx.x; i < k_tiles * quads; i += blockDim.x) {
+                    const int j = i % quads;
+                    if (j >= first) {
+                        tile[i] = make_uint4(0u, 0u, 0u, 0u);
+                    } else {
+#pragma unroll
+                        for (int q = 1; q < 4; ++q)
+                            if (j + 32 * q >= first) reinterpret_cast<uint32_t*>(tile + i)[q] = 0u;
+                    }
+                }
+            }
+        }
+    }
     const SourceInterleave order{s_msg_count, n_src, n_chunks, 0, n_src * s_msg_most * n_chunks};
     for (int item = claim(-1); item < order.n_items; item = claim(item)) {
         int s, i, ch;
@@ -1268,56 +1327,6 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
     }
 
     CUEP_TRACE(ep, block == n_blocks - 1, 8);
-    // Padding: fp8 rows up to each group's multiple of 4; fp4 scale tiles past each group's last row.
-    for (int g = block; g < G; g += n_blocks) {
-        const unsigned begin = s_offsets[g], end = s_offsets[g + 1];
-        unsigned used = end;
-        if (sh && g == 0) used = s_tally[(ep[P_SKIP_A2A] ? 0 : rank) * E1 + E];
-        else {
-            int n = 0;
-            for (int s = 0; s < n_src; ++s) n += s_tally[s * E1 + rank * L + (g - sh)];
-            used = begin + n;
-        }
-        if constexpr (FMT == kFmtFp8) {
-            for (unsigned row = used; row < end; ++row) {
-                for (long long b = threadIdx.x; b < pb / 16; b += blockDim.x)
-                    reinterpret_cast<int4*>(tokens + row * pb)[b] = make_int4(0, 0, 0, 0);
-                float* out = static_cast<float*>(a.scales_out);
-                if (defer && g >= sh) {
-                    if (threadIdx.x == 0) scale_rows(ep)[row] = kPadScales;
-                } else {
-                    for (int b = threadIdx.x; b < ep[P_N_SCALES]; b += blockDim.x) out[b * ep[P_CAPACITY] + row] = 0.f;
-                }
-                if (threadIdx.x == 0) {
-                    a.src_info[2LL * row] = -1;
-                    a.src_info[2LL * row + 1] = -1;
-                    a.row_src[row] = -1;
-                    a.row_weight[row] = 0.f;
-                }
-            }
-        } else if constexpr (FMT == kFmtNvfp4 || FMT == kFmtMxfp4) {
-            const unsigned n = used - begin;
-            const unsigned pad_end = (n + kScaleTileRows - 1) / kScaleTileRows * kScaleTileRows;
-            const int k_tiles = static_cast<int>(ep[P_K_TILES]);
-            uint8_t* out = static_cast<uint8_t*>(a.scales_out);
-            if (defer && g >= sh) {
-                for (unsigned i = threadIdx.x; i < pad_end - n; i += blockDim.x)
-                    scale_rows(ep)[static_cast<long long>(s_tiles[g]) * kScaleTileRows + n + i] = kPadScales;
-            } else if (pad_end > n) {
-                // The group's last tile, rows n % 128 .. 127, block by block: word w of a (tile, kt) 512-byte block
-                // holds row w / 4 + 32 (w % 4), so consecutive threads store consecutive words. (A word per (row, kt)
-                // in row order went 512 bytes apart: 1.7 M scattered stores, most of a 2 x H200 N = 128 nvfp4
-                // dispatch's 80 us.)
-                uint32_t* tile = reinterpret_cast<uint32_t*>(
-                    out + (static_cast<long long>(s_tiles[g]) + n / kScaleTileRows) * k_tiles * kScaleTileBytes);
-                const int first = static_cast<int>(n % kScaleTileRows), words = kScaleTileBytes / 4;
-                for (int i = threadIdx.x; i < k_tiles * words; i += blockDim.x) {
-                    const int w = i % words;
-                    if (w / 4 + 32 * (w % 4) >= first) tile[i] = 0u;
-                }
-            }
-        }
-    }
     // The scales, once every receive block has noted its rows' (and padding's): the rows after the shared expert's
     // (fp8) or their scale tiles (fp4), in whole lines.
     if (defer) {
