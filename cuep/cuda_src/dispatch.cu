@@ -92,6 +92,56 @@ __device__ void place_row_scales(const EP& ep, const DispatchArgs& a, long long 
     }
 }
 
+// Write one token's scales (plain per-row bytes `src`, 4-byte aligned) to each of its local rows in the dispatch
+// output layout, by a warp: every lane loads its words of the scales once, into registers, then stores them to
+// each row. (place_row_scales per row re-loaded them row after row, behind the previous row's stores, which may
+// alias them: at N = 128 nvfp4, 112 words a row, that serial chain was 7 of the dispatch's 36 us.) `rows` is the
+// mask of lanes whose choice has a row here (warp-uniform); row_of(k, row, scale_row) gives lane k's row and scale
+// row (it shuffles: every lane calls it).
+template <int FMT, typename RowOf>
+__device__ __forceinline__ void place_token_scales(const EP& ep, const DispatchArgs& a, unsigned rows, RowOf row_of,
+                                                   const uint8_t* src, int lane) {
+    if constexpr (FMT == kFmtFp8 || FMT == kFmtNvfp4 || FMT == kFmtMxfp4) {
+        constexpr int kRegs = 4;
+        constexpr bool kFp8 = FMT == kFmtFp8;
+        const int n_scales = static_cast<int>(ep[P_N_SCALES]);
+        const int k_tiles = static_cast<int>(ep[P_K_TILES]);
+        const int n_words = kFp8 ? n_scales : k_tiles;
+        const bool aligned = (reinterpret_cast<uintptr_t>(src) & 3) == 0;
+        for (int base = 0; base < n_words; base += kRegs * kWarp) {
+            uint32_t w[kRegs];
+#pragma unroll
+            for (int j = 0; j < kRegs; ++j) {
+                const int c = base + j * kWarp + lane;
+                w[j] = 0u;
+                if (c >= n_words) continue;
+                if (kFp8 || !aligned) {
+                    w[j] = kFp8 ? reinterpret_cast<const uint32_t*>(src)[c] : scale_word(src, c, n_scales);
+                } else {  // a word of 4 scale bytes; bytes past n_scales (message padding) read as zero
+                    w[j] = reinterpret_cast<const uint32_t*>(src)[c];
+                    const int have = n_scales - c * kScaleTileCols;
+                    if (have < kScaleTileCols) w[j] &= (1u << (8 * have)) - 1u;
+                }
+            }
+            for (unsigned rest = rows; rest; rest &= rest - 1) {
+                long long row, scale_row;
+                row_of(__ffs(rest) - 1, row, scale_row);
+#pragma unroll
+                for (int j = 0; j < kRegs; ++j) {
+                    const int c = base + j * kWarp + lane;
+                    if (c >= n_words) continue;
+                    if constexpr (kFp8)
+                        static_cast<uint32_t*>(a.scales_out)[static_cast<long long>(c) * ep[P_CAPACITY] + row] = w[j];
+                    else
+                        *reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(a.scales_out) +
+                                                     swizzled_scale_offset(scale_row, c * kScaleTileCols, k_tiles)) =
+                            w[j];
+                }
+            }
+        }
+    }
+}
+
 // ---- scales of large rounds: gathered from the messages, in whole lines ---------------------------------
 // The output layouts put a row's scales in a column (fp8: [n_scales, capacity]; fp4: 128x4 tiles, 16 bytes apart),
 // so a row placed alone writes 4 bytes into each of n_scales 32-byte sectors that other rows, placed at other times
@@ -1312,15 +1362,20 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
                 msg_weights(ep, a.msg_rows)[mi * K + lane] = wm;
             }
         }
-        while (local) {
-            const int k = __ffs(local) - 1;
-            local &= local - 1;
-            const int rk = __shfl_sync(0xffffffffu, row, k);
-            const int g = sh + __shfl_sync(0xffffffffu, id, k) - rank * L;
-            if (ep[P_SCALE_BYTES] && !(knobs & kKnobNoRowScales)) {
-                const long long srow = kTiled ? swizzle_row(s_tiles, s_offsets, g, rk) : rk;
-                if (!defer) place_row_scales<FMT>(ep, a, rk, srow, scales, lane, kWarp);
-                else if (lane == 0) scale_rows(ep)[srow] = scale_ref(ep, scales);
+        if (ep[P_SCALE_BYTES] && !(knobs & kKnobNoRowScales)) {
+            auto row_of = [&](int k, long long& rk, long long& srow) {
+                rk = __shfl_sync(0xffffffffu, row, k);
+                const int g = sh + __shfl_sync(0xffffffffu, id, k) - rank * L;
+                srow = kTiled ? swizzle_row(s_tiles, s_offsets, g, rk) : rk;
+            };
+            if (!defer) {
+                place_token_scales<FMT>(ep, a, local, row_of, scales, lane);
+            } else {
+                for (unsigned rest = local; rest; rest &= rest - 1) {
+                    long long rk, srow;
+                    row_of(__ffs(rest) - 1, rk, srow);
+                    if (lane == 0) scale_rows(ep)[srow] = scale_ref(ep, scales);
+                }
             }
         }
         fan_out();
