@@ -187,7 +187,7 @@ def test_swizzled_offset_is_a_bijection_on_a_tile():
 
 
 def test_swizzled_tile_words_and_quads():
-    """What dispatch.cu's fp4 padding and scale transposition rely on: in a (tile, k-tile) 512-byte block, 4-byte
+    """What dispatch.cu's fp4 padding and scale gathering rely on: in a (tile, k-tile) 512-byte block, 4-byte
     word w holds the 4 scales of row w // 4 + 32 (w % 4), so 16-byte quad j holds rows j, j + 32, j + 64, j + 96 and
     lane l of a warp storing quad l writes rows l + 32 q; and padding rows first .. 127 are exactly the words of
     rows >= first (whole quads from j = first, the other quads' words q with j + 32 q >= first)."""

@@ -64,13 +64,13 @@ def test_direct_rounds_with_a_rank_without_tokens(devices, rng):
 
 @pytest.mark.parametrize("devices", groups())
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "mxfp4"])
-@pytest.mark.parametrize("layout", ["staged", "direct"])
+@pytest.mark.parametrize("layout", ["gathered", "direct"])
 def test_large_round_scale_layouts(devices, fmt, layout, rng, monkeypatch):
-    # A large round's receive stages its rows' scales row-major and transposes them into the output layout once
-    # they span 2 MiB (dispatch.cu kStageScalesFrom), below that it places them directly: the measurement knobs
-    # force either (kKnobStagedScales 0x20, kKnobDirectScales 0x10), with the shared expert's rows (group 0, placed
+    # A large round's receive notes where each row's scales are and gathers them into the output layout after a
+    # barrier once they span 2 MiB (dispatch.cu kGatherScalesFrom), below that it places them directly: the knobs
+    # force either (kKnobGatheredScales 0x20, kKnobDirectScales 0x10), with the shared expert's rows (group 0, placed
     # by the send phase) and a staged source in the same round, across many 32-row and 128-row scale tiles.
-    monkeypatch.setattr(cuep.ep, "_KNOBS", {"staged": 0x20, "direct": 0x10}[layout])
+    monkeypatch.setattr(cuep.ep, "_KNOBS", {"gathered": 0x20, "direct": 0x10}[layout])
     R = len(devices)
     for shared in (False, True):
         cfg, buf = make(devices, hidden=2048, dispatch_format=fmt, fused_shared_expert=shared,

@@ -95,9 +95,10 @@ __device__ void place_row_scales(const EP& ep, const DispatchArgs& a, long long 
 // Write one token's scales (plain per-row bytes `src`, 4-byte aligned) to each of its local rows in the dispatch
 // output layout, by a warp: every lane loads its words of the scales once, into registers, then stores them to
 // each row. (place_row_scales per row re-loaded them row after row, behind the previous row's stores, which may
-// alias them: at N = 128 nvfp4, 112 words a row, that serial chain was 7 of the dispatch's 36 us.) `rows` is the
-// mask of lanes whose choice has a row here (warp-uniform); row_of(k, row, scale_row) gives lane k's row and scale
-// row (it shuffles: every lane calls it).
+// alias them: at N = 128 nvfp4, 112 words a row, that serial chain was 3.4 of the dispatch's 36.5 us. Loading the
+// first piece before the fan-out and storing it after gained nothing and spilled 84-112 bytes of registers: 1-4 us
+// slower.) `rows` is the mask of lanes whose choice has a row here (warp-uniform); row_of(k, row, scale_row) gives
+// lane k's row and scale row (it shuffles: every lane calls it).
 template <int FMT, typename RowOf>
 __device__ __forceinline__ void place_token_scales(const EP& ep, const DispatchArgs& a, unsigned rows, RowOf row_of,
                                                    const uint8_t* src, int lane) {
@@ -161,12 +162,13 @@ __device__ __forceinline__ uint32_t scale_ref(const EP& ep, const uint8_t* scale
     return static_cast<uint32_t>((scales - reinterpret_cast<const uint8_t*>(ep.local(0))) / 4);
 }
 
-// Scales of a round's rows (bytes, row-major) from which the receive gathers them: below, the half-written sectors
-// mostly stay in L2 until full. 2 x H200 cold us, direct against staged (the stage that came before the gather):
-// fp8 N = 1024 78.4 / 80.9 (another run: 80.9 / 84.6), 2048 118.4 / 117.6, 4096 205.7 / 189.3, 8192 443.3 / 328.5
-// (about 0.9, 1.8, 3.7, 7.3, 14.7 MB of scales at N = 512 .. 8192); nvfp4 N = 512 83.6 / 68.0, 1024 92.9 / 82.1,
-// 4096 221.0 / 184.8; mxfp4 N = 1024 74.1 / 69.0, 4096 160.3 / 150.9 (fp4 counts each group's padded tiles).
-constexpr long long kStageScalesFrom = 2 << 20;
+// Bytes of a round's scales in the output layout from which the receive gathers them at the round's end (below,
+// the half-written sectors mostly stay in L2 until full). 2 x H200, cold us, direct / gathered (scripts/ab_knobs.py
+// --knobs 0x10 0x20, twelfth session): fp8 N = 1024 78.8 / 78.6, 2048 118.6 / 112.5, 4096 202.2 / 175.9, 8192
+// 436.9 / 303.2; nvfp4 N = 512 57.6 / 51.7, 1024 76.5 / 64.8, 4096 197.7 / 149.6; mxfp4 N = 512 48.7 / 50.0,
+// 1024 66.0 / 62.1, 4096 148.6 / 138.3 (about 0.9, 1.8, 3.7, 7.3, 14.7 MB of fp8 scales at N = 512 .. 8192; fp4
+// counts each group's padded tiles, 3.7 MB for mxfp4 at N = 512).
+constexpr long long kGatherScalesFrom = 2 << 20;
 
 // Output rows [lo, hi) (fp8) or scale tiles [lo, hi) (fp4) from the messages' scales, warp w of n_warps taking
 // every n_warps-th piece, every load of a piece issued before its stores. fp8: a piece is 32 rows, lane l row
@@ -1185,13 +1187,12 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
     int* next_item = ctr + C_RECV_ITEM + par;
     if (block == 0 && threadIdx.x == 0) ctr[C_RECV_ITEM + (par ^ 1)] = ctr[C_RECV_STAGED + (par ^ 1)] = 0;
     // A large round's scales are gathered from the messages at its end (gather_scales) once they span
-    // kStageScalesFrom bytes
-    // (knobs: kKnobDirectScales never, kKnobStagedScales always). (The fused shared expert's rows, group 0, are
-    // placed by the send phase, directly.)
-    const long long stage_bytes = kTiled ? static_cast<long long>(s_tiles_end) * kScaleTileRows * ep[P_K_TILES] * 4
-                                         : static_cast<long long>(s_offsets[G]) * ep[P_N_SCALES] * 4;
+    // kGatherScalesFrom bytes (knobs: kKnobDirectScales never, kKnobGatheredScales always). (The fused shared
+    // expert's rows, group 0, are placed by the send phase, directly.)
+    const long long scale_out_bytes = kTiled ? static_cast<long long>(s_tiles_end) * kScaleTileRows * ep[P_K_TILES] * 4
+                                             : static_cast<long long>(s_offsets[G]) * ep[P_N_SCALES] * 4;
     const bool defer = FMT != kFmtBf16 && ep[P_SCALE_BYTES] && !all_staged && !(knobs & kKnobDirectScales) &&
-                       (stage_bytes >= kStageScalesFrom || (knobs & kKnobStagedScales));
+                       (scale_out_bytes >= kGatherScalesFrom || (knobs & kKnobGatheredScales));
     auto claim = [&](int prev) {
         if (all_staged) return prev < 0 ? recv_warp : prev + n_recv_warps;
         return __shfl_sync(0xffffffffu, lane == 0 ? atomicAdd(next_item, 1) : 0, 0);

@@ -105,9 +105,9 @@ constexpr int kPhaseLocalX = 8;
 // Measurement knobs, bits 4 and up of `phases` (CUEP_EP_KNOBS in the environment, read by cuep/ep.py; 0 in use):
 // one build times both sides of a design choice.
 // dispatch receive of a large round: scales placed straight into the output layout, never gathered at the round's
-// end (dispatch.cu: gather_scales), or always gathered (default: from kStageScalesFrom bytes of scales)
+// end (dispatch.cu: gather_scales), or always gathered (default: from kGatherScalesFrom bytes of scales)
 constexpr int kKnobDirectScales = 1 << 4;
-constexpr int kKnobStagedScales = 1 << 5;
+constexpr int kKnobGatheredScales = 1 << 5;
 constexpr int kKnobSendersReceive = 1 << 8;  // dispatch, small fused round: the send blocks receive too
 constexpr int kKnobTallyWait = 1 << 9;       // dispatch, small round: send blocks wait for block 0's book stores
 // dispatch, small fused round: v = bits 10-14 nonzero: v/16 of the blocks send (16: all, then they receive too)
