@@ -1138,13 +1138,24 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
         if (l == L - 1) s_offsets[sh + L] = start + size;
     });
     constexpr bool kTiled = FMT == kFmtNvfp4 || FMT == kFmtMxfp4;
-    if (kTiled && threadIdx.x == 0) {  // 128-row scale tiles (fp4): each group starts a fresh one
-        unsigned tiles = 0;
-        for (int g = 0; g < G; ++g) {
-            s_tiles[g] = tiles;
-            tiles += (s_offsets[g + 1] - s_offsets[g] + kScaleTileRows - 1) / kScaleTileRows;
+    if (kTiled && threadIdx.x < kWarp) {
+        // 128-row scale tiles (fp4): each group starts a fresh one; its first tile by a warp's prefix sum, 32 groups
+        // a pass. (Thread 0 alone, a group after the other, took 2.6 us of every fp4 receive's layout: 2 x H200,
+        // N = 1 trace, layout done at 8.8 us against 6.0 for bf16.)
+        const int ln = static_cast<int>(threadIdx.x);
+        unsigned carry = 0;
+        for (int g0 = 0; g0 < G; g0 += kWarp) {
+            const int g = g0 + ln;
+            const unsigned n = g < G ? (s_offsets[g + 1] - s_offsets[g] + kScaleTileRows - 1) / kScaleTileRows : 0u;
+            unsigned incl = n;
+            for (int o = 1; o < kWarp; o <<= 1) {
+                const unsigned v = __shfl_up_sync(0xffffffffu, incl, o);
+                if (ln >= o) incl += v;
+            }
+            if (g < G) s_tiles[g] = carry + incl - n;
+            carry += __shfl_sync(0xffffffffu, incl, kWarp - 1);
         }
-        s_tiles_end = tiles;
+        if (ln == 0) s_tiles_end = carry;
     }
     __syncthreads();
     if (block == 0) {
