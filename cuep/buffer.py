@@ -33,8 +33,7 @@ PARAM_FIELDS = [
     "capacity", "meta_bytes", "meta_ids", "meta_w", "meta_rows", "meta_scales", "combine_itemsize",
     "small_tokens", "stage_record", "off_tokens", "off_comb_recv", "off_meta", "off_tally", "off_comb_ready",
     "off_comb_arrived", "off_counters", "off_scratch", "off_stage", "off_comb_poll", "off_scale_rows", "poll_tokens",
-    "timeout_ns",
-    "err_ptr",
+    "timeout_ns", "err_ptr",
 ] + [f"peer_base{i}" for i in range(8)]
 
 

@@ -1196,7 +1196,7 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
     const bool all_staged = s_all_staged != 0;
     const int recv_warp = (threadIdx.x / kWarp) * n_blocks + block, n_recv_warps = n_blocks * n_warps;
     int* next_item = ctr + C_RECV_ITEM + par;
-    if (block == 0 && threadIdx.x == 0) ctr[C_RECV_ITEM + (par ^ 1)] = ctr[C_RECV_STAGED + (par ^ 1)] = 0;
+    if (block == 0 && threadIdx.x == 0) ctr[C_RECV_ITEM + (par ^ 1)] = ctr[C_RECV_NOTED + (par ^ 1)] = 0;
     // A large round's scales are gathered from the messages at its end (gather_scales) once they span
     // kGatherScalesFrom bytes (knobs: kKnobDirectScales never, kKnobGatheredScales always). (The fused shared
     // expert's rows, group 0, are placed by the send phase, directly.)
@@ -1397,7 +1397,7 @@ __device__ void phase_recv(const EP& ep, const DispatchArgs& a, int round, char*
     // The scales, once every receive block has noted its rows' (and padding's): the rows after the shared expert's
     // (fp8) or their scale tiles (fp4), in whole lines.
     if (defer) {
-        if (!blocks_barrier(ep, ctr + C_RECV_STAGED + par, n_blocks, K_DISPATCH_RECV, &s_ok)) return;
+        if (!blocks_barrier(ep, ctr + C_RECV_NOTED + par, n_blocks, K_DISPATCH_RECV, &s_ok)) return;
         CUEP_TRACE(ep, block == n_blocks - 1, 10);
         const unsigned lo = kTiled ? s_tiles[sh] : s_offsets[sh], hi = kTiled ? s_tiles_end : s_offsets[G];
         gather_scales<FMT>(ep, a, lo, hi, recv_warp, n_recv_warps, lane);

@@ -73,8 +73,8 @@ enum Counter : int {
     C_SMALL_TALLY = 0,    // round + 1 once block 0 issued a small round's tally and book stores (kKnobTallyWait)
     C_CREADY = 1,         // the last "any" combine readiness value this rank published (combine.cu)
     C_ENTER_DISPATCH = 2, // blocks of the running dispatch kernel that read the rounds (count_entry)
-    C_RECV_STAGED = 4,    // [2] dispatch receive blocks done staging a large round's scales, by parity; 6-7: unused
     C_ENTER_COMBINE = 3,  // the same for combine
+    C_RECV_NOTED = 4,     // [2] dispatch receive blocks done noting a large round's scale rows, by parity; 6-7: unused
     C_DISP_ROUND = 8,     // dispatch send rounds completed
     C_RECV_ROUND = 9,     // dispatch receive rounds completed
     C_COMB_ROUND = 10,    // combine send rounds completed
