@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import cupy
+# cupy is imported inside the functions that use it (as in ops.py): `import cuep` stays cheap and loads no CUDA
+# library; the host path (NumPy arrays) only asks it which module an array belongs to.
 import ml_dtypes
 import numpy as np
 
@@ -83,6 +84,7 @@ class MoEWeights:
 
     def to_numpy(self) -> "MoEWeights":
         """The same weights as NumPy arrays (copied from the GPU if they live there), e.g. for :func:`moe_reference`."""
+        import cupy
         get = lambda a: a.get() if isinstance(a, cupy.ndarray) else np.asarray(a)  # noqa: E731
         return MoEWeights(get(self.w_gate_up), get(self.w_down), get(self.router))
 
@@ -146,6 +148,7 @@ def init_weights(cfg: EPConfig, intermediate: int, seed: int = 0, devices=None, 
         held = [expert((0, r * L + l)) for l in range(L)] + ([shared] if shared else [])
         arrays = (np.stack([u for u, _ in held]), np.stack([d for _, d in held]), router.copy())
         if devices is not None:
+            import cupy
             with cupy.cuda.Device(int(devices[i])):
                 arrays = tuple(cupy.asarray(a) for a in arrays)
         out.append(MoEWeights(*arrays))
@@ -165,6 +168,7 @@ def route(x, router, top_k: int):
         ``(topk_ids, topk_weights)``: int32 [N, K] (the K experts of largest logit, best first) and float32 [N, K]
         (``softmax(logits)[ids] / sum``), C-contiguous, on the same side as ``x``. Logits are a float32 GEMM.
     """
+    import cupy
     xp = cupy.get_array_module(x)
     n, e = x.shape[0], router.shape[1]
     if not 1 <= top_k <= e:
@@ -187,6 +191,7 @@ def _scale_rows(d, rows: int, cfg: EPConfig):
     fp8: float32 [H/128, capacity] transposed back. nvfp4/mxfp4: gathered from the 128x4 tiles; group g's rows start
     at scale row ``(row_offsets[g] // 128 + scales_offsets[g]) * 128`` (docs/formats.md). NumPy or CuPy, no sync.
     """
+    import cupy
     xp = cupy.get_array_module(d.row_offsets)
     f, H = cfg.fmt, cfg.hidden
     if f.name == "bf16":
@@ -205,6 +210,7 @@ def _scale_rows(d, rows: int, cfg: EPConfig):
 
 def _expert_inputs(d, rows: int, cfg: EPConfig, global_scale: float):
     """bfloat16 [rows, H]: the dispatched rows, dequantized (GPU: cuep.ops; host: cuep.reference) for the GEMMs."""
+    import cupy
     if cfg.fmt.name == "bf16":
         return d.tokens[:rows]
     xp = cupy.get_array_module(d.tokens)
@@ -226,6 +232,7 @@ def _expert_outputs(d, w: MoEWeights, cfg: EPConfig, global_scale: float, out):
     Returns:
         ``out``.
     """
+    import cupy
     xp = cupy.get_array_module(d.row_offsets)
     # The one host read of the layer: group sizes and their experts drive the loop of GEMMs below.
     head = xp.concatenate([d.row_offsets.astype(np.int64), d.expert_ids.astype(np.int64)])
@@ -257,6 +264,7 @@ class _PhaseTimer:
         self.marks: list[list] = []
 
     def mark(self) -> None:
+        import cupy
         events = []
         for dev in self.devices:
             with cupy.cuda.Device(dev):
@@ -268,6 +276,7 @@ class _PhaseTimer:
 
     def elapsed_ms(self, names) -> dict[str, float]:
         """Per phase, the longest time any device spent in it; ``total`` from the first mark to the last."""
+        import cupy
         for ev in self.marks[-1]:
             ev.synchronize()
         span = lambda i, j: max(cupy.cuda.get_elapsed_time(a, b)  # noqa: E731
@@ -278,6 +287,7 @@ class _PhaseTimer:
 
 
 def _check_forward_args(buf, xs, ws) -> None:
+    import cupy
     _check_buffer(buf, "moe_forward")
     buf.check()
     cfg = buf.cfg
@@ -331,6 +341,7 @@ def moe_forward(buf, x, weights, *, global_scale: float = 1.0, timings: dict | N
         per local rank, [N, H] in ``cfg.combine_dtype`` (bfloat16 by default): ``sum_k w[t, k] * expert_k(x[t])``
         (+ ``shared(x[t])``), a fresh array (not the buffer's reused combine output).
     """
+    import cupy
     bare = not isinstance(x, (list, tuple))
     xs = [x] if bare else list(x)
     ws = [weights] if isinstance(weights, MoEWeights) else list(weights) if isinstance(weights, (list, tuple)) \

@@ -10,7 +10,8 @@ copied back to the host, so they can run inside a CUDA graph or right after ``di
 """
 from __future__ import annotations
 
-import cupy
+# cupy is imported inside the functions that use it (as in buffer.py and ep.py): `import cuep` stays cheap and
+# loads no CUDA library.
 import ml_dtypes
 import numpy as np
 
@@ -39,6 +40,7 @@ _DTYPE_SUFFIX = {_BF16: "bf16", _F32: "f32"}
 # ---- argument checks ------------------------------------------------------------------------------------------
 def _check_array(a, argname: str, dtypes, ndim: int, shape=None) -> None:
     """Type, dtype, ndim, exact shape (None entries are free), C-contiguity and device of a CuPy array."""
+    import cupy
     if isinstance(a, np.ndarray):
         raise TypeError(f"{argname} must be a cupy.ndarray, got numpy.ndarray (host memory): move it to the GPU "
                         f"first with cupy.asarray(...)")
@@ -122,6 +124,7 @@ def _kernel(filename: str, name: str):
 
 def _grid(filename: str, name: str, kernel, work_blocks: int, smem: int = 0) -> int:
     """Blocks for a grid-stride kernel: enough for the work, at most what fits on the GPU at once."""
+    import cupy
     from cupy.cuda import driver
 
     dev = cupy.cuda.Device().id
@@ -182,6 +185,7 @@ def quantize(x: cupy.ndarray, fmt: str, global_scale: float = 1.0, out=None) -> 
     Raises:
         TypeError, ValueError: naming ``fmt``, ``x``, ``global_scale`` or ``out``.
     """
+    import cupy
     f = get_format(fmt, "fmt")
     _check_array(x, "x", (_F32, _BF16), 2)
     n, h = x.shape
@@ -224,6 +228,7 @@ def dequantize(payload: cupy.ndarray, scales: cupy.ndarray, fmt: str, hidden: in
     Raises:
         TypeError, ValueError: naming the argument.
     """
+    import cupy
     f = get_format(fmt, "fmt")
     hidden = _check_hidden_arg(f, hidden)
     _check_array(payload, "payload", (_U8,), 2, (None, f.payload_bytes(hidden)))
@@ -265,6 +270,7 @@ def swizzle_block_scales(scales: cupy.ndarray, row_offsets: cupy.ndarray, fmt: s
     Raises:
         TypeError, ValueError: naming the argument.
     """
+    import cupy
     f = get_format(fmt, "fmt")
     if not f.swizzled_scales:
         raise ValueError(f"fmt={fmt!r} has no swizzled block scales; use 'nvfp4' or 'mxfp4'")
@@ -320,6 +326,7 @@ def fused_silu(h: cupy.ndarray, row_offsets: cupy.ndarray, out_fmt: str = "bf16"
     Raises:
         TypeError, ValueError: naming the argument.
     """
+    import cupy
     f = get_format(out_fmt, "out_fmt")
     _check_array(h, "h", (_F32, _BF16), 2)
     cap, width = h.shape
@@ -400,6 +407,7 @@ def _selftest_warp_copy16(dst: cupy.ndarray, src: cupy.ndarray, warp: int, nthre
 def _selftest_block_scan(values: cupy.ndarray) -> tuple[cupy.ndarray, cupy.ndarray]:
     """common.cuh block_inclusive_scan, twice in a row, by one block of ``values.size`` threads (32..1024, a
     multiple of 32). Returns (scans int32 [2, n]: of values and of 2*values+1; totals int32 [n, 2])."""
+    import cupy
     _check_array(values, "values", (np.int32,), 1)
     n = values.size
     if n < 32 or n > 1024 or n % 32:
@@ -413,6 +421,7 @@ def _selftest_block_scan(values: cupy.ndarray) -> tuple[cupy.ndarray, cupy.ndarr
 def _selftest_signal_wait(n_payload: int, count: int, last: bool, timeout_ns: int) -> tuple[int, int, int]:
     """signal_completion in one block, wait_not_empty_u64 + payload check in another.
     Returns (value seen, payload words matched, wait ns)."""
+    import cupy
     slot = cupy.full((1,), np.uint64(2**64 - 1), np.uint64)
     payload = cupy.zeros((max(1, n_payload),), np.uint64)
     result = cupy.zeros((3,), np.uint64)
@@ -425,6 +434,7 @@ def _selftest_signal_wait(n_payload: int, count: int, last: bool, timeout_ns: in
 
 def _selftest_wait_timeout(timeout_ns: int) -> tuple[int, int]:
     """wait_not_empty_u64 on a slot nobody writes. Returns (value: kEmpty = 2**64-1 after the timeout, wait ns)."""
+    import cupy
     slot = cupy.full((1,), np.uint64(2**64 - 1), np.uint64)
     result = cupy.zeros((3,), np.uint64)
     _kernel("selftest.cu", "selftest_wait_timeout")((1,), (32,), (slot, np.uint64(timeout_ns), result))
@@ -434,6 +444,7 @@ def _selftest_wait_timeout(timeout_ns: int) -> tuple[int, int]:
 
 def _selftest_align_up(n: cupy.ndarray, a: cupy.ndarray) -> tuple[cupy.ndarray, cupy.ndarray]:
     """common.cuh align_up and ceil_div elementwise on int64 arrays. Returns (align_up, ceil_div)."""
+    import cupy
     _check_array(n, "n", (np.int64,), 1)
     _check_array(a, "a", (np.int64,), 1, (n.size,))
     out = cupy.empty((n.size, 2), np.int64)
@@ -446,6 +457,7 @@ def _selftest_align_up(n: cupy.ndarray, a: cupy.ndarray) -> tuple[cupy.ndarray, 
 def _selftest_encode(v: cupy.ndarray):
     """formats.cuh element encoders on float32 values. Returns (e4m3 uint8, e2m1 uint8 codes, bf16 uint16 bits,
     ftz float32), each the shape of ``v`` (1-D)."""
+    import cupy
     _check_array(v, "v", (_F32,), 1)
     n = v.size
     e4m3, e2m1 = cupy.empty(n, _U8), cupy.empty(n, _U8)
@@ -458,6 +470,7 @@ def _selftest_encode(v: cupy.ndarray):
 
 def _selftest_silu(v: cupy.ndarray) -> tuple[cupy.ndarray, cupy.ndarray]:
     """formats.cuh silu_f32 and rcp_rn_normal on float32 values: (silu, rcp), float32, the shape of ``v`` (1-D)."""
+    import cupy
     _check_array(v, "v", (_F32,), 1)
     n = v.size
     silu, rcp = cupy.empty(n, _F32), cupy.empty(n, _F32)
@@ -469,6 +482,7 @@ def _selftest_silu(v: cupy.ndarray) -> tuple[cupy.ndarray, cupy.ndarray]:
 def _selftest_scale_divisions(mode: int, first: int, count: int, gs: cupy.ndarray | None = None) -> tuple[int, int]:
     """selftest.cu selftest_scale_divisions: (mismatches, first mismatching index or 2**64 - 1) of the quantizers'
     division-free scale arithmetic against IEEE division over ``count`` inputs (see the kernel's comment)."""
+    import cupy
     result = cupy.array([0, 2**64 - 1], np.uint64)
     gs = cupy.zeros(1, _F32) if gs is None else gs
     if mode == 3 and gs.size * 126 < count:
@@ -481,6 +495,7 @@ def _selftest_scale_divisions(mode: int, first: int, count: int, gs: cupy.ndarra
 
 def _selftest_decode() -> tuple[cupy.ndarray, cupy.ndarray]:
     """formats.cuh decoders: (e4m3 of bytes 0..255, e2m1 of codes (0..255) & 15), float32 [256] each."""
+    import cupy
     out = cupy.empty((256, 2), _F32)
     _kernel("selftest.cu", "selftest_decode")((1,), (256,), (out,))
     return out[:, 0], out[:, 1]
@@ -488,6 +503,7 @@ def _selftest_decode() -> tuple[cupy.ndarray, cupy.ndarray]:
 
 def _selftest_swizzled_offset(rows: cupy.ndarray, cols: cupy.ndarray, k_tiles: int) -> cupy.ndarray:
     """formats.cuh swizzled_scale_offset elementwise (rows int64, cols int32). Returns int64."""
+    import cupy
     _check_array(rows, "rows", (np.int64,), 1)
     _check_array(cols, "cols", (np.int32,), 1, (rows.size,))
     out = cupy.empty(rows.size, np.int64)
@@ -500,6 +516,7 @@ def _selftest_swizzled_offset(rows: cupy.ndarray, cols: cupy.ndarray, k_tiles: i
 
 def _selftest_constants() -> dict[str, float]:
     """The constants of formats.cuh / common.cuh as the device sees them."""
+    import cupy
     out = cupy.zeros(11, np.float64)
     _kernel("selftest.cu", "selftest_constants")((1,), (1,), (out,))
     keys = ("FP8_BLOCK", "FP8_MAX", "FP8_AMAX_FLOOR", "NVFP4_BLOCK", "MXFP4_BLOCK", "E2M1_MAX", "SCALE_TILE_ROWS",
