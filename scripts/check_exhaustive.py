@@ -29,7 +29,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from cuep.reference.quant import e2m1_encode, ftz  # noqa: E402
+from cuep.reference import e2m1_encode, ftz  # noqa: E402
 
 F32 = np.float32
 F64 = np.float64
