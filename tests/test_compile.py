@@ -187,8 +187,8 @@ def test_tuning_value_follows_extra_defines(monkeypatch):
     assert _kernels.tuning_value("CUEP_COMBINE_RING", 2) == 2
 
 
-# The measurement knobs and tuning overrides the kernels accept through CUEP_EXTRA_DEFINES (BENCHMARKS.md and
-# docs/PERF-NOTES.md quote runs with them): each must still compile, warnings as errors, so an A/B run on the GPU
+# The measurement knobs and tuning overrides the kernels accept through CUEP_EXTRA_DEFINES (the measurements behind
+# BENCHMARKS.md and docs/design.md used them): each must still compile, warnings as errors, so an A/B run on the GPU
 # machine never starts with a broken build.
 KNOBS = [
     ("dispatch.cu", "CUEP_AB_TRACE=1"),
