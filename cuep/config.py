@@ -1,6 +1,7 @@
 """``EPConfig``: the sizes of one expert-parallel group, validated and derived in one place."""
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
 from .formats import ALIGN, SCALE_TILE_BYTES, SCALE_TILE_ROWS, Format, MessageLayout, align_up, ceil_div, \
@@ -46,6 +47,12 @@ class EPConfig:
             up to N = 256 and level with the direct one at N = 512); 0 turns it off. Costs
             2 x sources x (small_batch_tokens x stage_record_bytes + 8 x small_book_len) of symmetric memory per
             rank.
+        allreduce_world_size: A, the ranks of the all-reduce that follows a ``skip_a2a`` combine with a
+            ``fused_shared_expert``: groups of A consecutive ranks (group g = ranks g*A .. g*A + A - 1). With
+            A > 1 each rank of a group takes one share of the shared expert's tokens (:meth:`shared_expert_share`)
+            instead of all of them, so the all-reduce adds each token's shared expert once, not A times. Default
+            1 (every rank takes all its tokens). A > 1 needs ``skip_a2a`` and ``fused_shared_expert``, and
+            n_ranks must be a multiple of A.
 
     Raises:
         ValueError: naming the argument and the rule it breaks.
@@ -62,6 +69,7 @@ class EPConfig:
     fused_shared_expert: bool = False
     skip_a2a: bool = False
     small_batch_tokens: int | None = None
+    allreduce_world_size: int = 1
     fmt: Format = field(init=False, repr=False, compare=False)
     message: MessageLayout = field(init=False, repr=False, compare=False)
 
@@ -84,9 +92,21 @@ class EPConfig:
             raise ValueError(f"combine_dtype={self.combine_dtype!r} must be one of {sorted(COMBINE_DTYPES)}")
         if self.max_tokens_per_rank >= 2**31 // max(1, self.n_ranks * self.top_k):
             raise ValueError(f"max_tokens_per_rank={self.max_tokens_per_rank} is too large: rows must fit int32")
+        self._check_allreduce_world_size()
         object.__setattr__(self, "fmt", fmt)
         object.__setattr__(self, "small_batch_tokens", self._small_batch_tokens())
         object.__setattr__(self, "message", MessageLayout.make(fmt, self.hidden, self.top_k))
+
+    def _check_allreduce_world_size(self) -> None:
+        A = self.allreduce_world_size
+        _positive_int("allreduce_world_size", A)
+        if A > 1 and not (self.skip_a2a and self.fused_shared_expert):
+            raise ValueError(f"allreduce_world_size={A} needs skip_a2a=True and fused_shared_expert=True (got "
+                             f"skip_a2a={self.skip_a2a}, fused_shared_expert={self.fused_shared_expert}): it splits "
+                             f"the shared expert's tokens over the ranks of the all-reduce after a skip_a2a combine")
+        if self.n_ranks % A:
+            raise ValueError(f"allreduce_world_size={A} must divide the number of ranks {self.n_ranks} "
+                             f"(n_gpus_per_node x n_nodes): all-reduce groups are A consecutive ranks")
 
     def _small_batch_tokens(self) -> int:
         """The resolved ``small_batch_tokens`` (default, or the given value after its checks)."""
@@ -131,6 +151,26 @@ class EPConfig:
     def shared_expert_id(self) -> int:
         """``expert_ids`` value of the fused shared expert group: L (stack its weights after the routed ones)."""
         return self.n_local_experts
+
+    def shared_expert_share(self, rank: int, n_tokens: int) -> tuple[int, int]:
+        """The tokens ``[lo, hi)`` of the fused shared expert that ``rank`` takes, of its ``n_tokens``.
+
+        With ``allreduce_world_size`` A > 1 the rank at position p = rank % A of its all-reduce group takes
+        lo = (p * N) // A, hi = ((p + 1) * N) // A: the group's shares tile [0, N) in order, sizes differing by at
+        most one (empty ones when N < A). Dispatch puts those tokens, in order, in group 0; combine adds row
+        t - lo of group 0 to token t only for t in [lo, hi). With A = 1: (0, N).
+
+        Args:
+            rank: the rank, in [0, n_ranks).
+            n_tokens: N, the tokens the rank holds in this round, in [0, max_tokens_per_rank].
+        Returns:
+            ``(lo, hi)``, ints with 0 <= lo <= hi <= N.
+        """
+        for name, v, top in (("rank", rank, self.n_ranks - 1), ("n_tokens", n_tokens, self.max_tokens_per_rank)):
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not 0 <= v <= top:
+                raise ValueError(f"{name}={v!r} must be an int in [0, {top}]")
+        A, p, n = self.allreduce_world_size, int(rank) % self.allreduce_world_size, int(n_tokens)
+        return (p * n) // A, ((p + 1) * n) // A
 
     @property
     def n_source_ranks(self) -> int:
@@ -313,4 +353,6 @@ class EPConfig:
                 f"K={self.top_k}), H={self.hidden}, T={self.max_tokens_per_rank}, format {self.fmt.name}, "
                 f"combine {self.combine_dtype}; message {self.message.nbytes} B; capacity {self.capacity} rows; "
                 f"rounds of <= {self.small_batch_tokens} tokens staged; "
-                f"per rank: buffers {self.buffer_bytes * gib:.3f} GiB + outputs {self.output_bytes * gib:.3f} GiB")
+                + (f"shared expert split over all-reduce groups of {self.allreduce_world_size} ranks; "
+                   if self.allreduce_world_size > 1 else "")
+                + f"per rank: buffers {self.buffer_bytes * gib:.3f} GiB + outputs {self.output_bytes * gib:.3f} GiB")

@@ -29,10 +29,66 @@ STD = dict(hidden=7168, top_k=8, n_experts=256, max_tokens_per_rank=4096, n_gpus
     (dict(small_batch_tokens=2048), "small_batch_tokens"),         # 2048 x K=8 choices > 8192
     (dict(small_batch_tokens=16, n_experts=2048), "n_experts"),    # per-range counters in shared memory
     (dict(small_batch_tokens=True), "small_batch_tokens"),
+    (dict(allreduce_world_size=0), "allreduce_world_size"),
+    (dict(allreduce_world_size=2), "allreduce_world_size"),                      # needs skip_a2a + shared
 ])
 def test_config_rejects_bad_arguments_by_name(kwargs, arg):
     with pytest.raises(ValueError, match=re.escape(arg)):
         EPConfig(**{**STD, **kwargs})
+
+
+SKIP_SHARED = dict(skip_a2a=True, fused_shared_expert=True)
+
+
+@pytest.mark.parametrize("kwargs, rule", [
+    (dict(allreduce_world_size=0, **SKIP_SHARED), "allreduce_world_size=0 must be a positive int"),
+    (dict(allreduce_world_size=-2, **SKIP_SHARED), "allreduce_world_size=-2 must be a positive int"),
+    (dict(allreduce_world_size=True, **SKIP_SHARED), "allreduce_world_size=True must be a positive int"),
+    (dict(allreduce_world_size=2.0, **SKIP_SHARED), "allreduce_world_size=2.0 must be a positive int"),
+    (dict(allreduce_world_size=2), "allreduce_world_size=2 needs skip_a2a=True and fused_shared_expert=True"),
+    (dict(allreduce_world_size=2, skip_a2a=True), "allreduce_world_size=2 needs skip_a2a=True and "
+                                                  "fused_shared_expert=True"),
+    (dict(allreduce_world_size=4, fused_shared_expert=True), "allreduce_world_size=4 needs skip_a2a=True"),
+    (dict(allreduce_world_size=3, **SKIP_SHARED), "allreduce_world_size=3 must divide the number of ranks 4"),
+    (dict(allreduce_world_size=8, **SKIP_SHARED), "allreduce_world_size=8 must divide the number of ranks 4"),
+])
+def test_allreduce_world_size_rules(kwargs, rule):
+    with pytest.raises(ValueError, match=re.escape(rule)):
+        EPConfig(**{**STD, **kwargs})
+
+
+def test_allreduce_world_size_in_repr_describe_and_sizes():
+    """Default 1; part of the repr every rank compares and of describe(); it moves no buffer (the shared expert's
+    share only shrinks group 0 below the bound that capacity already holds)."""
+    one = EPConfig(**STD, **SKIP_SHARED)
+    assert one.allreduce_world_size == 1 and "allreduce_world_size=1" in repr(one)
+    assert "all-reduce" not in one.describe()
+    for A in (2, 4):
+        cfg = EPConfig(**STD, **SKIP_SHARED, allreduce_world_size=A)
+        assert f"allreduce_world_size={A}" in repr(cfg) and repr(cfg) != repr(one)
+        assert f"all-reduce groups of {A} ranks" in cfg.describe()
+        assert cfg.capacity == one.capacity and cfg.buffer_regions == one.buffer_regions
+    assert EPConfig(**{**STD, "n_nodes": 2}, **SKIP_SHARED, allreduce_world_size=8).n_ranks == 8
+
+
+@pytest.mark.parametrize("A", [1, 2, 4])
+def test_shared_expert_share(A):
+    """rank r at position p = r % A takes [p * N // A, (p + 1) * N // A): each group's shares tile [0, N) in rank
+    order, sizes differing by at most one; A = 1 takes all N."""
+    cfg = EPConfig(**{**STD, "max_tokens_per_rank": 67}, **({} if A == 1 else SKIP_SHARED), allreduce_world_size=A)
+    for n in range(68):
+        for g in range(4 // A):
+            shares = [cfg.shared_expert_share(r, n) for r in range(g * A, g * A + A)]
+            assert shares == [(p * n // A, (p + 1) * n // A) for p in range(A)]
+            assert shares[0][0] == 0 and shares[-1][1] == n
+            assert all(a[1] == b[0] for a, b in zip(shares, shares[1:]))
+            sizes = [hi - lo for lo, hi in shares]
+            assert max(sizes) - min(sizes) <= 1
+    for kwargs, arg in ((dict(rank=-1, n_tokens=1), "rank"), (dict(rank=4, n_tokens=1), "rank"),
+                        (dict(rank=True, n_tokens=1), "rank"), (dict(rank=0, n_tokens=68), "n_tokens"),
+                        (dict(rank=0, n_tokens=-1), "n_tokens"), (dict(rank=0, n_tokens=2.0), "n_tokens")):
+        with pytest.raises(ValueError, match=rf"{arg}=.* must be an int in \[0, "):
+            cfg.shared_expert_share(**kwargs)
 
 
 def test_config_is_frozen():
