@@ -20,10 +20,18 @@ E = 16
 
 # ---- arranging inputs ----------------------------------------------------------------------------------------
 def make_cfg(fmt="bf16", n_ranks=2, top_k=2, n_experts=E, shared=False, skip=False, hidden=H, tokens=T,
-             combine_dtype="bfloat16"):
+             combine_dtype="bfloat16", allreduce=1):
     return EPConfig(hidden=hidden, top_k=top_k, n_experts=n_experts, max_tokens_per_rank=tokens,
                     n_gpus_per_node=n_ranks, dispatch_format=fmt, combine_dtype=combine_dtype,
-                    fused_shared_expert=shared, skip_a2a=skip)
+                    fused_shared_expert=shared, skip_a2a=skip, allreduce_world_size=allreduce)
+
+
+def share(cfg, r, n):
+    """The contract's shared-expert share of rank r holding n tokens: position p = r % A in its all-reduce group,
+    tokens [p * n // A, (p + 1) * n // A) (all n tokens when A = 1)."""
+    A = cfg.allreduce_world_size
+    p = r % A
+    return range(p * n // A, (p + 1) * n // A)
 
 
 def route(rng, n, k, e, hot=None):
@@ -73,7 +81,7 @@ def expected_blocks(cfg, xs, ids):
                 want[(e // L, e % L)].append((s, t, k))
     out = []
     for r in range(R):
-        groups = [[(r, t, K) for t in range(xs[r].shape[0])]] if cfg.fused_shared_expert else []
+        groups = [[(r, t, K) for t in share(cfg, r, xs[r].shape[0])]] if cfg.fused_shared_expert else []
         groups += [want[(r, l)] for l in range(L)]
         out.append(groups)
     return out
@@ -160,7 +168,7 @@ def check_dispatch(out, cfg, xs, ids, gs=1.0):
     want_all = []
     for s in range(R):
         for t in range(xs[s].shape[0]):
-            if cfg.fused_shared_expert:
+            if cfg.fused_shared_expert and t in share(cfg, s, xs[s].shape[0]):
                 want_all.append((s, t, K))
             for k in range(K):
                 if not cfg.skip_a2a or int(ids[s][t, k]) // cfg.n_local_experts == s:
@@ -338,6 +346,146 @@ def test_combine_epilogue_and_num_tokens(rng):
     unred = combine(eo, disp, None, cfg, num_tokens=[T, T])
     assert unred[0].shape == (T, 2, H)
     np.testing.assert_allclose(unred[0].sum(1), plain[0], rtol=1e-6)
+
+
+# ---- allreduce_world_size: the shared expert split over each all-reduce group ---------------------------------
+AR_GRID = [(fmt, A, K) for fmt in FORMATS for A in (2, 4) for K in (1, 8)]
+
+
+def skip_inputs(cfg, rng, n, skewed=False):
+    """Every rank holds the same n tokens (skip_a2a), random and never zero."""
+    return make_inputs(cfg, rng, counts=[n] * cfg.n_ranks, skewed=skewed)
+
+
+@pytest.mark.parametrize("fmt,A,K", AR_GRID)
+def test_dispatch_contract_allreduce(fmt, A, K, rng):
+    """Group 0 of rank r holds exactly the tokens of its share, in order, padded like any group; the rest of the
+    layout is unchanged. N = T, N < A and N = 0."""
+    cfg = make_cfg(fmt, 4, K, shared=True, skip=True, allreduce=A)
+    gs = 3.0 if fmt == "nvfp4" else 1.0
+    for n in (T, 3, 1, 0):
+        xs, ids = skip_inputs(cfg, rng, n, skewed=n == T)
+        out = dispatch(xs, ids, cfg, global_scale=gs)
+        check_dispatch(out, cfg, xs, ids, gs)
+        for r, d in enumerate(out):
+            lo, hi = (r % A) * n // A, (r % A + 1) * n // A
+            assert cfg.shared_expert_share(r, n) == (lo, hi)
+            align = cfg.fmt.row_align
+            assert int(d.row_offsets[1]) == -(-(hi - lo) // align) * align
+            assert d.expert_ids[0] == cfg.shared_expert_id
+            rows = np.arange(hi - lo)
+            np.testing.assert_array_equal(d.src_info[rows], np.stack([lo + rows, np.full(hi - lo, K)], 1))
+            np.testing.assert_array_equal(d.src_rank[rows], np.full(hi - lo, r))
+            pad = np.arange(hi - lo, int(d.row_offsets[1]))
+            assert (d.src_info[pad] == -1).all() and (d.src_rank[pad] == -1).all()
+
+
+@pytest.mark.parametrize("A,n,sizes", [
+    (2, T, [12, 12]), (2, 5, [2, 3]), (2, 1, [0, 1]), (2, 0, [0, 0]),
+    (4, T, [6, 6, 6, 6]), (4, 7, [1, 2, 2, 2]), (4, 3, [0, 1, 1, 1]), (4, 1, [0, 0, 0, 1]), (4, 0, [0, 0, 0, 0]),
+])
+def test_shared_expert_share_sizes(A, n, sizes, rng):
+    """Each group's shares tile [0, N) in rank order (both groups of R = 4 alike); dispatch's group 0 holds that
+    many rows."""
+    cfg = make_cfg("bf16", 4, 2, shared=True, skip=True, allreduce=A)
+    xs, ids = skip_inputs(cfg, rng, n)
+    out = dispatch(xs, ids, cfg)
+    for g in range(4 // A):
+        ranks = range(g * A, g * A + A)
+        shares = [cfg.shared_expert_share(r, n) for r in ranks]
+        assert [hi - lo for lo, hi in shares] == sizes
+        assert shares[0][0] == 0 and shares[-1][1] == n
+        assert all(a[1] == b[0] for a, b in zip(shares, shares[1:]))
+        assert [int(out[r].row_offsets[1]) for r in ranks] == sizes
+
+
+@pytest.mark.parametrize("fmt,A,K", AR_GRID)
+def test_allreduce_group_sums_shared_expert_once(fmt, A, K, rng):
+    """The all-reduce over each group of A ranks of the partial outputs (toy experts: row x (1 + e/8), shared 0.5)
+    equals the dense sum over the group's local experts plus the shared expert once; over all ranks, the full
+    combine plus one shared expert per group."""
+    R = 4
+    cfg = make_cfg(fmt, R, K, shared=True, skip=True, allreduce=A)
+    full_cfg = make_cfg(fmt, R, K, shared=True)
+    L = cfg.n_local_experts
+    for n in (T, 3, 0):
+        xs, ids = skip_inputs(cfg, rng, n, skewed=n == T)
+        w = [rng.uniform(0.1, 1, (n, K)).astype(np.float32)] * R
+
+        def run(c):
+            disp = dispatch(xs, ids, c)
+            eo = [dequantized(d, c) * expert_scale(c, r, d)[:, None] for r, d in enumerate(disp)]
+            return combine(eo, disp, w, c)
+
+        part = run(cfg)
+        xq = dequantize(*quantize(xs[0], fmt), fmt, H).astype(np.float64) if n else np.zeros((0, H))
+        owner = ids[0] // L
+        for g in range(R // A):
+            ranks = range(g * A, g * A + A)
+            total = np.sum([part[r] for r in ranks], axis=0, dtype=np.float64)
+            in_group = (owner >= g * A) & (owner < g * A + A)
+            mult = (w[0] * (1 + ids[0].astype(np.float64) / 8) * in_group).sum(1, keepdims=True)
+            np.testing.assert_allclose(total, xq * (mult + 0.5), rtol=1e-5, atol=1e-5)
+        everything = np.sum(part, axis=0, dtype=np.float64)
+        want = run(full_cfg)[0].astype(np.float64) + (R // A - 1) * 0.5 * xq
+        np.testing.assert_allclose(everything, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("A", [2, 4])
+def test_combine_unreduced_allreduce(fmt, A, rng):
+    """Slot K of the unreduced output is the shared-expert row for the tokens of the rank's share and zero for the
+    others; the weighted output adds it to those tokens only (bit for bit what A = 1 gives inside the share, and
+    the A = 1 output without the shared expert outside it)."""
+    R, K = 4, 8
+    cfg = make_cfg(fmt, R, K, shared=True, skip=True, allreduce=A)
+    one = make_cfg(fmt, R, K, shared=True, skip=True)
+    xs, ids = skip_inputs(cfg, rng, T)
+    w = [rng.uniform(-1, 1, (T, K)).astype(np.float32)] * R
+
+    def experts(c, disp, shared_mult=0.5):
+        eo = []
+        for r, d in enumerate(disp):
+            m = expert_scale(c, r, d)
+            m[int(d.row_offsets[0]):int(d.row_offsets[1])] = shared_mult
+            eo.append((dequantized(d, c) * m[:, None]).astype(ml_dtypes.bfloat16))
+        return eo
+
+    disp, disp1 = dispatch(xs, ids, cfg), dispatch(xs, ids, one)
+    eo, eo1 = experts(cfg, disp), experts(one, disp1)
+    with pytest.raises(ValueError, match="num_tokens is required with allreduce_world_size"):
+        combine(eo, disp, None, cfg)
+    unred = combine(eo, disp, None, cfg, num_tokens=[T] * R)
+    unred1 = combine(eo1, disp1, None, one)
+    red, red1 = combine(eo, disp, w, cfg), combine(eo1, disp1, w, one)
+    red1_no_shared = combine(experts(one, disp1, 0.0), disp1, w, one)
+    xq = dequantize(*quantize(xs[0], fmt), fmt, H)
+    for r in range(R):
+        lo, hi = (r % A) * T // A, (r % A + 1) * T // A
+        inside = np.zeros(T, bool)
+        inside[lo:hi] = True
+        assert unred[r].shape == (T, K + 1, H)
+        np.testing.assert_array_equal(unred[r][:, :K], unred1[r][:, :K])
+        shared_row = (xq * 0.5).astype(ml_dtypes.bfloat16).astype(np.float32)
+        np.testing.assert_array_equal(unred[r][:, K], np.where(inside[:, None], shared_row, 0))
+        np.testing.assert_array_equal(red[r][inside], red1[r][inside])
+        np.testing.assert_array_equal(red[r][~inside], red1_no_shared[r][~inside])
+
+
+def test_combine_rejects_shared_rows_outside_the_share(rng):
+    """dispatched from an allreduce_world_size = 1 round holds every token's shared row: combine with A = 2 names
+    the share it breaks; and the other way round, the missing shared rows."""
+    R, K = 4, 2
+    cfg = make_cfg("bf16", R, K, shared=True, skip=True, allreduce=2)
+    one = make_cfg("bf16", R, K, shared=True, skip=True)
+    xs, ids = skip_inputs(cfg, rng, 5)
+    w = [np.ones((5, K), np.float32)] * R
+    disp1 = dispatch(xs, ids, one)
+    with pytest.raises(ValueError, match=r"shared-expert row outside its share \[0, 2\)"):
+        combine([dequantized(d, one) for d in disp1], disp1, w, cfg)
+    disp = dispatch(xs, ids, cfg)
+    with pytest.raises(ValueError, match=r"shared-expert share \[0, 5\) has no shared-expert row"):
+        combine([dequantized(d, cfg) for d in disp], disp, w, one)
 
 
 # ---- fused SwiGLU --------------------------------------------------------------------------------------------

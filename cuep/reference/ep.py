@@ -14,6 +14,13 @@ dispatch output, and the tokens passed for the other ranks are validated but oth
 Combine then returns, on each rank, the partial sum over that rank's local experts; summing the partial sums
 over the ranks (the later all-reduce) gives the full combine.
 
+``allreduce_world_size`` (A). With ``skip_a2a`` and ``fused_shared_expert`` every rank would add the shared
+expert of each of its tokens, so an all-reduce over A ranks would count it A times. With A > 1 the rank at
+position p = rank % A of its all-reduce group (A consecutive ranks) takes only its share ``[lo, hi)`` of the
+shared expert's tokens (:meth:`cuep.EPConfig.shared_expert_share`: lo = (p * N) // A, hi = ((p + 1) * N) // A):
+group 0 holds tokens lo .. hi - 1 in order, and combine adds the shared expert to those tokens only, so the
+all-reduce over the group adds each token's shared expert exactly once.
+
 Reference outputs are trimmed to ``row_offsets[-1]`` rows; the kernels write ``cfg.capacity`` rows and leave
 the rows past ``row_offsets[-1]`` untouched.
 """
@@ -171,7 +178,9 @@ def dispatch(tokens: Sequence[np.ndarray], topk_ids: Sequence[np.ndarray], cfg: 
     copied into one row per chosen expert on the expert's rank (expert ``e`` lives on rank ``e // L`` as local
     expert ``e % L``). Rank r's output is expert-major: group g holds local expert g's rows (with
     ``cfg.fused_shared_expert``: group 0 is the shared expert holding rank r's own N_r tokens in order with
-    ``src_info`` (t, K), and routed group g + 1 holds local expert g). Inside a group: source rank 0's rows first,
+    ``src_info`` (t, K), and routed group g + 1 holds local expert g; with ``cfg.allreduce_world_size`` > 1 only
+    the tokens of the rank's share, ``cfg.shared_expert_share(r, N_r)`` = [lo, hi): row i is token lo + i, with
+    ``src_info`` (lo + i, K)). Inside a group: source rank 0's rows first,
     then rank 1, ...; inside one (expert, source rank) block, ascending source token (the canonical order). fp8:
     each group's row count is padded up to a multiple of ``cfg.fmt.row_align`` with zero rows
     (``src_info`` (-1, -1), ``src_rank`` -1, zero payload and scales). With ``cfg.skip_a2a`` rank r receives only
@@ -211,8 +220,8 @@ def dispatch(tokens: Sequence[np.ndarray], topk_ids: Sequence[np.ndarray], cfg: 
         sources = [r] if cfg.skip_a2a else list(range(R))
         blocks: list[list[tuple[int, np.ndarray, np.ndarray]]] = []  # per group: (src rank, t, k) blocks
         if cfg.fused_shared_expert:
-            n = xs[r].shape[0]
-            blocks.append([(r, np.arange(n, dtype=np.int64), np.full(n, K, np.int64))])
+            lo, hi = cfg.shared_expert_share(r, xs[r].shape[0])
+            blocks.append([(r, np.arange(lo, hi, dtype=np.int64), np.full(hi - lo, K, np.int64))])
         for l in range(L):
             e = r * L + l
             group = []
@@ -267,10 +276,13 @@ def combine(expert_out: Sequence[np.ndarray], dispatched: Sequence[Dispatched],
     ``src_info[i, 0]`` of rank ``src_rank[i]`` as top-k slot ``src_info[i, 1]`` (slot K: the shared expert).
     With weights: ``out[t] = sum_k w[t, k] * row(t, k)`` accumulated in float32 over k = 0..K-1 in order (each
     product and sum flushed to zero like the kernels), then ``+ row(t, K)`` (the shared expert, weight 1) when
-    ``cfg.fused_shared_expert``. With ``cfg.skip_a2a`` only the slots whose expert is local to the rank
-    contribute (a partial sum; summing the ranks' outputs gives the full combine, except that with
-    ``fused_shared_expert`` every rank adds its own shared-expert row, so the sum holds R copies of it). The
-    reference returns float32; the kernels cast the same value to ``cfg.combine_dtype``.
+    ``cfg.fused_shared_expert`` (with ``cfg.allreduce_world_size`` > 1: only for the tokens t of the rank's
+    share ``[lo, hi)``, from row t - lo of group 0; the other tokens get no addition at all). With ``cfg.skip_a2a``
+    only the slots whose expert is local to the rank contribute: a partial sum for a later all-reduce. With
+    ``fused_shared_expert`` and ``allreduce_world_size`` = 1 every rank adds the shared expert of every token, so
+    an all-reduce over A ranks holds A copies of it; with ``allreduce_world_size`` = A each rank of an all-reduce
+    group adds it for its share only, and the sum over the group's A ranks holds it exactly once. The reference
+    returns float32; the kernels cast the same value to ``cfg.combine_dtype``.
 
     Args:
         expert_out: list of R arrays ``[rows_r or more, H]``, float32 or ``ml_dtypes.bfloat16``; rows past
@@ -282,16 +294,19 @@ def combine(expert_out: Sequence[np.ndarray], dispatched: Sequence[Dispatched],
             float32 output (e.g. ``lambda out, r: out + residual[r]``).
         num_tokens: optional list of R token counts N_r. Taken from ``topk_weights`` when given, else recovered
             from ``dispatched`` (every token has one k = 0 row, or one shared-expert row); required only with
-            ``skip_a2a``, no shared expert and no weights, where a token routed to no local expert leaves no trace.
+            ``skip_a2a`` and no weights, unless there is a shared expert and ``allreduce_world_size`` = 1: a token
+            routed to no local expert (and outside the rank's shared-expert share) leaves no trace.
 
     Returns:
         list of R float32 arrays: ``[N_r, H]`` with weights; without weights the unreduced ``[N_r, K, H]``
         (``[N_r, K + 1, H]`` with the fused shared expert, slot K = its row), zero in the slots that no row
-        filled (with ``skip_a2a``, the experts that are not local).
+        filled (with ``skip_a2a``, the experts that are not local; with ``allreduce_world_size`` > 1, slot K of
+        the tokens outside the rank's share).
 
     Raises:
         ValueError: naming the argument whose list length, shape or dtype is wrong, or when ``dispatched``
-            does not match ``topk_weights`` / ``num_tokens`` (a slot filled twice, or missing without skip_a2a).
+            does not match ``topk_weights`` / ``num_tokens`` (a slot filled twice, missing without skip_a2a, or a
+            shared-expert row missing or outside the rank's share).
     """
     _check_cfg(cfg)
     R, K, H = cfg.n_ranks, cfg.top_k, cfg.hidden
@@ -324,6 +339,7 @@ def combine(expert_out: Sequence[np.ndarray], dispatched: Sequence[Dispatched],
 
     n_tokens = _resolve_num_tokens(num_tokens, weights, dispatched, cfg)
     n_slots = K + int(cfg.fused_shared_expert)
+    shares = [cfg.shared_expert_share(s, n_tokens[s]) for s in range(R)]  # the shared expert's tokens [lo, hi)
 
     # Gather: every row goes back to (source rank, token, slot).
     unreduced = [np.zeros((n_tokens[s], n_slots, H), np.float32) for s in range(R)]
@@ -351,8 +367,14 @@ def combine(expert_out: Sequence[np.ndarray], dispatched: Sequence[Dispatched],
         if not cfg.skip_a2a and (filled[s][:, :K] != 1).any():
             raise ValueError(f"dispatched: some (token, k) of source rank {s} has no row (does dispatched match "
                              f"topk_weights/num_tokens?)")
-        if cfg.fused_shared_expert and (filled[s][:, K] != 1).any():
-            raise ValueError(f"dispatched: some token of source rank {s} has no shared-expert row")
+        if cfg.fused_shared_expert:
+            lo, hi = shares[s]
+            if (filled[s][lo:hi, K] != 1).any():
+                raise ValueError(f"dispatched: some token of source rank {s} in its shared-expert share [{lo}, {hi})"
+                                 f" has no shared-expert row")
+            if filled[s][:lo, K].any() or filled[s][hi:, K].any():
+                raise ValueError(f"dispatched: source rank {s} has a shared-expert row outside its share [{lo}, {hi})"
+                                 f" (allreduce_world_size={cfg.allreduce_world_size})")
 
     outs = []
     for s in range(R):
@@ -365,8 +387,9 @@ def combine(expert_out: Sequence[np.ndarray], dispatched: Sequence[Dispatched],
                 prod = ftz(w[:, k:k + 1] * unreduced[s][:, k])
                 prod = np.where(filled[s][:, k:k + 1] > 0, prod, np.float32(0))
                 out = ftz(out + prod)
-            if cfg.fused_shared_expert:
-                out = ftz(out + unreduced[s][:, K])
+            if cfg.fused_shared_expert:  # to the tokens of the rank's share only
+                lo, hi = shares[s]
+                out[lo:hi] = ftz(out[lo:hi] + unreduced[s][lo:hi, K])
         if epilogue is not None:
             res = np.asarray(epilogue(out, s))
             if res.shape != out.shape:
@@ -398,6 +421,10 @@ def _resolve_num_tokens(num_tokens, weights, dispatched: list[Dispatched], cfg: 
     if cfg.skip_a2a and not cfg.fused_shared_expert:
         raise ValueError("num_tokens is required with skip_a2a, no fused shared expert and no topk_weights: a "
                          "token routed to no local expert leaves no row to count")
+    if cfg.allreduce_world_size > 1:
+        raise ValueError(f"num_tokens is required with allreduce_world_size={cfg.allreduce_world_size} and no "
+                         f"topk_weights: a rank holds shared-expert rows for its share of the tokens only, and a "
+                         f"token outside it routed to no local expert leaves no row to count")
     # Every token has exactly one row with k = 0 (routed) or k = K (shared expert); count them per source rank.
     marker = cfg.top_k if cfg.fused_shared_expert else 0
     n = [0] * R
