@@ -170,16 +170,19 @@ def test_small_batch_tokens_default_and_staging_region():
 
 def test_combine_regions_hold_two_parities():
     """comb_ready is uint64 [2, R] ("any" and parity-slot readiness from each rank); comb_arrived is int32
-    [2 parities, T, 32] (one arrival counter per 128-byte line), which must hold the stride combine.cu uses."""
+    [2 parities, T, 32] (one arrival counter per 128-byte line), which must hold the stride the combine kernel
+    uses (kArrivedStride, or the older CUEP_ARRIVED_STRIDE macro, wherever it lives under cuda_src/)."""
     from pathlib import Path
 
     cfg = EPConfig(**STD)
     regions = cfg.buffer_regions
     assert regions["comb_ready"][1] == 8 * 2 * cfg.n_ranks
     assert regions["comb_arrived"][1] == 4 * 2 * cfg.max_tokens_per_rank * 32
-    src = (Path(__file__).resolve().parents[1] / "cuep" / "cuda_src" / "combine.cu").read_text()
-    stride = int(re.search(r"#define CUEP_ARRIVED_STRIDE (\d+)", src).group(1))
-    assert 1 <= stride <= 32
+    cuda_src = Path(__file__).resolve().parents[1] / "cuep" / "cuda_src"
+    pattern = re.compile(r"(?:#define CUEP_ARRIVED_STRIDE|constexpr int kArrivedStride =) (\d+)")
+    strides = {int(m.group(1)) for f in sorted(cuda_src.rglob("*.cu*")) for m in pattern.finditer(f.read_text())}
+    assert len(strides) == 1, f"the combine's arrival counter stride, defined once under {cuda_src}: {strides}"
+    assert 1 <= strides.pop() <= 32
     # every region starts on a 256-byte boundary, so each token's counter line is aligned
     assert all(off % 256 == 0 for off, _ in regions.values())
 
