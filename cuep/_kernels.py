@@ -36,29 +36,14 @@ def source_hash() -> str:
     return h.hexdigest()[:16]
 
 
-def extra_defines() -> dict[str, str]:
-    """The ``CUEP_EXTRA_DEFINES="A=1 B=2"`` developer knobs as a dict (``{"A": "1", "B": "2"}``)."""
-    out = {}
-    for d in os.environ.get("CUEP_EXTRA_DEFINES", "").split():
-        name, _, value = d.partition("=")
-        out[name] = value or "1"
-    return out
-
-
-def tuning_value(name: str, default: int) -> int:
-    """A kernel tuning constant as the kernels see it: ``default`` unless CUEP_EXTRA_DEFINES overrides ``name``
-    (for host code that sizes launches from the same constant, e.g. shared-memory rings)."""
-    return int(extra_defines().get(name, default))
-
-
-def compile_options() -> tuple[str, ...]:
+def compile_options(defines: tuple[str, ...] = ()) -> tuple[str, ...]:
     """The options cuep passes to ``cupy.RawModule`` (CuPy adds :data:`CUPY_IMPLICIT_OPTIONS` and -arch).
 
-    ``CUEP_EXTRA_DEFINES="A=1 B=2"`` appends ``-DA=1 -DB=2``: a developer knob for A/B tuning runs (the kernels'
-    tuning constants can be overridden that way; see formats.cuh).
+    ``defines`` (``("NAME=VALUE", ...)``, each becoming ``-DNAME=VALUE``) builds a variant of a kernel's tuning
+    constants for a benchmark harness; the product always compiles with none. Nothing in the environment changes
+    what is compiled.
     """
-    extra = tuple(f"-D{d}" for d in os.environ.get("CUEP_EXTRA_DEFINES", "").split())
-    return ("--std=c++17", f"-I{SRC_DIR}", f"-DCUEP_SRC_HASH=0x{source_hash()}ULL", *extra)
+    return ("--std=c++17", f"-I{SRC_DIR}", f"-DCUEP_SRC_HASH=0x{source_hash()}ULL", *(f"-D{d}" for d in defines))
 
 
 def kernel_files() -> list[str]:
@@ -67,13 +52,14 @@ def kernel_files() -> list[str]:
 
 
 def nvcc_command(filename: str, arch: str = "sm_90", out: str = "/dev/null") -> list[str]:
-    """The nvcc command that compiles ``filename`` like the runtime does, warnings as errors."""
+    """The nvcc command that compiles ``filename`` like the runtime does, warnings as errors, and register spills
+    reported as warnings (``-warn-spills``), hence errors: no kernel may spill under the runtime's options."""
     opts = list(compile_options())
     for o in CUPY_IMPLICIT_OPTIONS:
         if o not in opts:
             opts.append(o)
-    return ["nvcc", "-cubin", f"-arch={arch}", *opts, "-Werror", "all-warnings", "-o", out,
-            str(SRC_DIR / filename)]
+    return ["nvcc", "-cubin", f"-arch={arch}", *opts, "-Xptxas", "-warn-spills", "-Werror", "all-warnings",
+            "-o", out, str(SRC_DIR / filename)]
 
 
 def nvrtc_include_options() -> tuple[str, ...]:
@@ -103,20 +89,21 @@ def nvrtc_compile(filename: str, arch: str = "sm_90") -> tuple[bytes, str]:
 
 
 _lock = threading.Lock()
-_modules: dict[tuple[str, int], object] = {}
-_functions: dict[tuple[str, int, str], object] = {}
+_modules: dict[tuple, object] = {}
+_functions: dict[tuple, object] = {}
 
 
-def module(filename: str, name_expressions: tuple[str, ...] = ()):
+def module(filename: str, name_expressions: tuple[str, ...] = (), defines: tuple[str, ...] = ()):
     """The ``cupy.RawModule`` of ``cuda_src/<filename>`` for the current device, compiled on first use.
 
     ``name_expressions`` lists template instantiations to compile (``"kernel<int, 4>"``); pass the same tuple on
-    every call for one file (the first call's list is the one compiled).
+    every call for one file (the first call's list is the one compiled). ``defines``: a benchmark variant's tuning
+    constants (:func:`compile_options`), cached apart from the product's build.
     """
     import cupy
 
     dev = cupy.cuda.Device().id
-    key = (filename, dev)
+    key = (filename, dev, tuple(defines))
     mod = _modules.get(key)
     if mod is not None:
         return mod
@@ -129,7 +116,7 @@ def module(filename: str, name_expressions: tuple[str, ...] = ()):
             code = path.read_text()
             t0 = time.perf_counter()
             log.info("cuep: compiling %s for device %d ...", filename, dev)
-            mod = cupy.RawModule(code=code, options=compile_options(),
+            mod = cupy.RawModule(code=code, options=compile_options(tuple(defines)),
                                  name_expressions=list(name_expressions) or None)
             mod.compile()
             log.info("cuep: %s ready on device %d in %.1f s (cached on disk for next time)",
@@ -138,15 +125,15 @@ def module(filename: str, name_expressions: tuple[str, ...] = ()):
     return mod
 
 
-def function(filename: str, name: str, name_expressions: tuple[str, ...] = ()):
+def function(filename: str, name: str, name_expressions: tuple[str, ...] = (), defines: tuple[str, ...] = ()):
     """A kernel of :func:`module` by name (cached: ``get_function`` builds a new object each call)."""
     import cupy
 
     dev = cupy.cuda.Device().id
-    key = (filename, dev, name)
+    key = (filename, dev, name, tuple(defines))
     fn = _functions.get(key)
     if fn is None:
-        fn = module(filename, name_expressions).get_function(name)
+        fn = module(filename, name_expressions, defines).get_function(name)
         _functions[key] = fn
     return fn
 

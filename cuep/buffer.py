@@ -2,9 +2,9 @@
 
 One allocation per rank (a direct ``cudaMalloc`` through ``cupy.cuda.Memory``, so it can also be shared through
 CUDA IPC), carved into the regions ``EPConfig.buffer_regions`` names; the same offsets on every rank, so a peer's
-region is its base address plus the offset. A small int64 parameter block per rank (sizes, offsets, the peer
-base table) is what every kernel reads, passed by value (``EPParams`` in ``ep.cuh``); ``PARAM_FIELDS`` lists it
-in the order of ``enum Param`` there.
+region is its base address plus the offset. A small int64 parameter struct per rank (sizes, offsets, the peer
+base table: ``EPParams`` in ``cuda_src/ep/params.cuh``, built by :mod:`cuep.params`) is part of every kernel's
+by-value argument.
 
 Who sees which base address is the group's business (:meth:`cuep.Group.share_buffers`): the pointers themselves
 when one process drives every rank, CUDA IPC mappings when each rank is its own process. With one process per
@@ -24,27 +24,9 @@ import numpy as np
 
 from .config import EPConfig
 from .group import Group
+from .params import ep_params
 
 log = logging.getLogger("cuep")
-
-PARAM_FIELDS = [
-    "rank", "n_ranks", "n_src", "src_index", "n_local", "n_experts", "top_k", "hidden", "max_tokens",
-    "payload_bytes", "scale_bytes", "row_align", "n_scales", "k_tiles", "n_groups", "shared", "skip_a2a",
-    "capacity", "meta_bytes", "meta_ids", "meta_w", "meta_rows", "meta_scales", "combine_itemsize",
-    "small_tokens", "stage_record", "off_tokens", "off_comb_recv", "off_meta", "off_tally", "off_comb_ready",
-    "off_comb_arrived", "off_counters", "off_scratch", "off_stage", "off_comb_poll", "off_scale_rows", "poll_tokens",
-    "timeout_ns", "err_ptr",
-] + [f"peer_base{i}" for i in range(8)]
-
-
-def params_argument(values) -> np.void:
-    """The parameter block as the kernels take it: ``EPParams`` by value (int64 fields in ``PARAM_FIELDS`` order)."""
-    arr = np.asarray(values, dtype=np.int64)
-    if arr.shape != (len(PARAM_FIELDS),):
-        raise ValueError(f"{arr.shape[0] if arr.ndim == 1 else arr.shape} parameter values; expected "
-                         f"{len(PARAM_FIELDS)} (PARAM_FIELDS)")
-    return np.frombuffer(arr.tobytes(), dtype=np.dtype((np.void, arr.nbytes)))[0]
-
 
 MAX_TOP_K = 32  # one warp lane per top-k choice
 EMPTY = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -63,7 +45,7 @@ class _Rank:
     rank: int
     device: int
     mem: object                 # cupy.cuda.Memory: the symmetric allocation
-    params: object              # numpy.void: the int64 [len(PARAM_FIELDS)] block, a kernel argument by value
+    params: object              # numpy structured array [1] of cuep.params.EP_PARAMS_DTYPE (EPParams)
     err_host: np.ndarray        # int32 [4] view of host-mapped memory: status, kernel, expert, src
     err_host_ptr: int
     # dispatch outputs (persistent, reused every round)
@@ -220,6 +202,7 @@ class Buffer:
                 max_tokens=cfg.max_tokens_per_rank, payload_bytes=cfg.payload_bytes, scale_bytes=m.scale_bytes,
                 row_align=cfg.fmt.row_align, n_scales=cfg.n_scales, k_tiles=cfg.scale_k_tiles if cfg.n_scales else 0,
                 n_groups=cfg.n_groups, shared=int(cfg.fused_shared_expert), skip_a2a=int(cfg.skip_a2a),
+                ar_size=cfg.allreduce_world_size, ar_index=r.rank % cfg.allreduce_world_size,
                 capacity=cfg.capacity, meta_bytes=m.meta_bytes, meta_ids=m.topk_ids_offset,
                 meta_w=m.topk_weights_offset, meta_rows=m.topk_rows_offset, meta_scales=m.scales_offset,
                 combine_itemsize=cfg.combine_itemsize, small_tokens=cfg.small_batch_tokens,
@@ -227,9 +210,8 @@ class Buffer:
                 **{f"off_{k}": regions[k][0] for k in ("tokens", "comb_recv", "meta", "tally",
                                                        "comb_ready", "comb_arrived", "counters",
                                                        "scratch", "stage", "comb_poll", "scale_rows")},
-                poll_tokens=cfg.combine_poll_tokens,
-                **{f"peer_base{i}": bases[i] for i in range(8)})
-            r.params = params_argument([v[f] for f in PARAM_FIELDS])
+                poll_tokens=cfg.combine_poll_tokens, peer_base=bases)
+            r.params = ep_params(v)
 
     # ---- state ---------------------------------------------------------------------------------------------
     @property

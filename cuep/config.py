@@ -226,9 +226,9 @@ class EPConfig:
     # ---- symmetric buffers (per rank) ----------------------------------------------------------------------
     @property
     def n_counters(self) -> int:
-        """int32 counters private to a rank: 8 unused, round, completion and work counters (24), the per-expert
-        histogram (E), which is also the slot counter of each expert, and 32 for the CUEP_AB_TRACE timestamps."""
-        return 32 + self.n_experts + 32
+        """int32 counters private to a rank (cuda_src/ep/state.cuh, enum Counter): round, completion and work
+        counters (32 slots), then the per-expert histogram (E), which is also the slot counter of each expert."""
+        return 32 + self.n_experts
 
     @property
     def combine_poll_tokens(self) -> int:

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from . import _kernels
 from .buffer import Buffer
+from .params import (COMBINE_ARGS_DTYPE, COMBINE_PARAMS_DTYPE, DISPATCH_ARGS_DTYPE, DISPATCH_PARAMS_DTYPE,
+                     kernel_argument, pointer)
 from .formats import GLOBAL_SCALE_MAX, GLOBAL_SCALE_MIN
 
 PHASE_NOTIFY, PHASE_SEND, PHASE_RECV = 1, 2, 4
@@ -33,22 +34,6 @@ PHASE_NOTIFY, PHASE_SEND, PHASE_RECV = 1, 2, 4
 PHASE_LOCAL_X = 8
 MODE_PARTIAL, MODE_WEIGHTED, MODE_UNREDUCED = 0, 1, 2
 _THREADS = 512
-_NULL = np.uint64(0)
-
-
-def _env_knobs() -> int:
-    """Measurement knobs (ep.cuh, kKnob*): bits 4 and up of the dispatch and combine kernels' phase argument, from
-    ``CUEP_EP_KNOBS``, so one build times both sides of a design choice (development only; unset in use;
-    ``scripts/ab_knobs.py`` alternates them in one process through ``cuep.ep._KNOBS``)."""
-    raw = os.environ.get("CUEP_EP_KNOBS", "0")
-    try:
-        return int(raw, 0) & ~0xF
-    except ValueError:
-        raise ValueError(f"CUEP_EP_KNOBS={raw!r} must be an integer such as 0x200 (measurement bits of the EP "
-                         f"kernels, see kKnob* in cuda_src/ep.cuh)") from None
-
-
-_KNOBS = _env_knobs()
 
 
 @dataclass
@@ -222,12 +207,17 @@ def _blocks(buf: Buffer, threads: int) -> int:
 
 _COMBINE_RING = 2                # kCombineRing in cuda_src/combine.cu (stages of the bf16 partial-sum load ring)
 _COMBINE_PIECE_BYTES = 4 * 2 * 32 * 16  # kCombinePieceBytes: 4 rows x 64 vectors of 16 bytes
+#: Dynamic shared memory of combine's bf16 load ring (kCombineRingBytes: every bf16 partial-sum send needs it).
+COMBINE_RING_BYTES = _COMBINE_RING * _COMBINE_PIECE_BYTES * (_THREADS // 32)
 
 
-def _combine_ring_bytes() -> int:
-    """Dynamic shared memory of combine's bf16 load ring (CUEP_EXTRA_DEFINES="CUEP_COMBINE_RING=n" overrides)."""
-    stages = _kernels.tuning_value("CUEP_COMBINE_RING", _COMBINE_RING)
-    return stages * _COMBINE_PIECE_BYTES * (_THREADS // 32) if stages > 1 else 0
+def _launch(fn, buf: Buffer, threads: int, smem: int, params_dtype, ep, args_dtype, call: tuple) -> None:
+    """Launch ``fn`` with its one by-value struct: ``ep`` (the rank's EPParams record) and ``call`` (the
+    ``*Args`` fields in their C order, :mod:`cuep.params`)."""
+    rec = np.empty(1, params_dtype)
+    rec["ep"] = ep
+    rec["call"] = np.array(call, dtype=args_dtype)
+    fn((_blocks(buf, threads),), (threads,), (kernel_argument(rec),), shared_mem=smem)
 
 
 def _kernel(name: str, smem: int):
@@ -315,12 +305,11 @@ def _dispatch(buf: Buffer, x, topk_ids, topk_weights, global_scale: float, phase
             threads, smem = _dispatch_launch(buf, staged=cfg.fmt.name != "bf16" or src != "bf16")
             fn = _kernel(f"dispatch.cu:cuep_dispatch_{cfg.fmt.name}_from_{src}", smem)
             _before_launch(buf, "dispatch.cu")
-            sc = r.scales if r.scales is not None else None
-            args = (r.params, xs[i], ids[i], ws[i] if ws[i] is not None else _NULL, np.int32(xs[i].shape[0]),
-                    np.float32(global_scale), sc if sc is not None else _NULL, r.row_offsets, r.expert_ids,
-                    r.scales_offsets if r.scales_offsets is not None else _NULL, r.src_info, r.row_src,
-                    r.row_weight, r.msg_rows, r.msg_token, r.msg_j, r.msg_count, np.int32(ph | local_x | _KNOBS))
-            fn((_blocks(buf, threads),), (threads,), args, shared_mem=smem)
+            call = (pointer(xs[i]), pointer(ids[i]), pointer(ws[i]), pointer(r.scales), pointer(r.row_offsets),
+                    pointer(r.expert_ids), pointer(r.scales_offsets), pointer(r.src_info), pointer(r.row_src),
+                    pointer(r.row_weight), pointer(r.msg_rows), pointer(r.msg_token), pointer(r.msg_j),
+                    pointer(r.msg_count), xs[i].shape[0], global_scale, ph | local_x)
+            _launch(fn, buf, threads, smem, DISPATCH_PARAMS_DTYPE, r.params, DISPATCH_ARGS_DTYPE, call)
     return results
 
 
@@ -380,11 +369,11 @@ def dispatch_wait(pending):
         with cupy.cuda.Device(r.device):
             fn = _kernel(f"dispatch.cu:cuep_dispatch_{cfg.fmt.name}_from_bf16", smem)
             _before_launch(buf, "dispatch.cu")
-            args = (r.params, _NULL, _NULL, _NULL, np.int32(d.num_tokens), np.float32(1.0),
-                    r.scales if r.scales is not None else _NULL, r.row_offsets, r.expert_ids,
-                    r.scales_offsets if r.scales_offsets is not None else _NULL, r.src_info, r.row_src,
-                    r.row_weight, r.msg_rows, r.msg_token, r.msg_j, r.msg_count, np.int32(ph | _KNOBS))
-            fn((_blocks(buf, threads),), (threads,), args, shared_mem=smem)
+            call = (0, 0, 0, pointer(r.scales), pointer(r.row_offsets), pointer(r.expert_ids),
+                    pointer(r.scales_offsets), pointer(r.src_info), pointer(r.row_src), pointer(r.row_weight),
+                    pointer(r.msg_rows), pointer(r.msg_token), pointer(r.msg_j), pointer(r.msg_count), d.num_tokens,
+                    1.0, ph)
+            _launch(fn, buf, threads, smem, DISPATCH_PARAMS_DTYPE, r.params, DISPATCH_ARGS_DTYPE, call)
     return pending
 
 
@@ -452,14 +441,14 @@ def _combine(buf: Buffer, expert_out, dispatched, topk_weights, residual, phases
     for i, ph in _launch_order(buf, phases):
         r, d = buf._ranks[i], ds[i]
         with cupy.cuda.Device(r.device):
-            smem = _combine_ring_bytes() if (ph & PHASE_SEND and suffix == "bf16" and modes[i] == MODE_PARTIAL) else 0
+            smem = COMBINE_RING_BYTES if (ph & PHASE_SEND and suffix == "bf16" and modes[i] == MODE_PARTIAL) else 0
             fn = _kernel(f"combine.cu:cuep_combine_{suffix}", smem)
             _before_launch(buf, "combine.cu")
-            args = (r.params, eos[i], r.src_info, r.row_src, r.row_weight, r.msg_rows, r.msg_token, r.msg_j,
-                    r.msg_count, r.row_offsets, d._topk_ids, ws[i] if ws[i] is not None else _NULL,
-                    res[i] if res[i] is not None else _NULL, outs[i], np.int32(d.num_tokens), np.int32(modes[i]),
-                    np.int32(ph | _KNOBS))
-            fn((_blocks(buf, _THREADS),), (_THREADS,), args, shared_mem=smem)
+            call = (pointer(eos[i]), pointer(r.src_info), pointer(r.row_src), pointer(r.row_weight),
+                    pointer(r.msg_rows), pointer(r.msg_token), pointer(r.msg_j), pointer(r.msg_count),
+                    pointer(r.row_offsets), pointer(d._topk_ids), pointer(ws[i]), pointer(res[i]), pointer(outs[i]),
+                    d.num_tokens, modes[i], ph)
+            _launch(fn, buf, _THREADS, smem, COMBINE_PARAMS_DTYPE, r.params, COMBINE_ARGS_DTYPE, call)
     return outs
 
 

@@ -25,7 +25,7 @@ _THREADS = 256        # kOpsThreads in cuda_src/formats.cuh (a CPU test checks t
 _MAX_GROUPS = 4096    # kMaxGroups in cuda_src/formats.cuh: row_offsets of the swizzled layouts live in shared memory
 _WARP = 32
 _SILU_STAGE_BYTES = 2048  # kSiluStageBytes in cuda_src/silu.cu: one span of gate and up per warp
-_SILU_STAGES = 2          # kSiluStages (CUEP_EXTRA_DEFINES="CUEP_SILU_STAGES=n" overrides both, for A/B runs)
+_SILU_STAGES = 2          # kSiluStages in cuda_src/silu.cu
 _LANE_VALUES = 8      # values per lane per warp step
 _INT32_MAX = 2**31 - 1
 
@@ -141,8 +141,7 @@ def _grid(filename: str, name: str, kernel, work_blocks: int, smem: int = 0) -> 
 
 def _silu_ring_bytes() -> int:
     """Dynamic shared memory of fused_silu's load ring per block (silu.cu: kSiluStages x kSiluStageBytes x warps)."""
-    stages = _kernels.tuning_value("CUEP_SILU_STAGES", _SILU_STAGES)
-    return stages * _SILU_STAGE_BYTES * (_THREADS // _WARP)
+    return _SILU_STAGES * _SILU_STAGE_BYTES * (_THREADS // _WARP)
 
 
 def _launch(filename: str, name: str, work_blocks: int, args: tuple, smem: int = 0) -> None:

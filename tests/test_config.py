@@ -197,13 +197,13 @@ def test_combine_regions_hold_two_parities():
 def test_combine_poll_region(kwargs, want):
     """comb_poll holds bf16 [2 parities, combine_poll_tokens, destination ranks, H] (empty when the combine cannot
     poll), and the kernels find its offset and token count in the parameter block."""
-    from cuep.buffer import PARAM_FIELDS
+    from cuep.params import EP_PARAMS_FIELDS
 
     cfg = EPConfig(**{**STD, **kwargs})
     assert cfg.combine_poll_tokens == want
     n_dest = 1 if cfg.skip_a2a else cfg.n_ranks
     assert cfg.buffer_regions["comb_poll"][1] == 2 * want * n_dest * cfg.hidden * 2
-    assert {"off_comb_poll", "poll_tokens"} <= set(PARAM_FIELDS)
+    assert {"off_comb_poll", "poll_tokens"} <= set(EP_PARAMS_FIELDS)
 
 
 def test_no_bf16_partial_sum_is_the_not_landed_word():

@@ -62,22 +62,42 @@ def test_direct_rounds_with_a_rank_without_tokens(devices, rng):
         run_round(buf, cfg, rng, n, weights_at="combine", async_halves=True)
 
 
-@pytest.mark.parametrize("devices", groups())
+GATHER_SCALES_FROM = 2 << 20  # dispatch/scales.cuh kGatherScalesFrom
+
+
+def _scale_layout_bytes(buf, cfg) -> list[int]:
+    """Bytes of each local rank's last dispatch output scales, as the receive counts them to choose the layout: fp8
+    rows x n_scales x 4; fp4 the 128-row tiles of every group (each group starts a tile) x k_tiles x 512."""
+    out = []
+    for r in buf._ranks:
+        offs = np.asarray(r.row_offsets.get(), dtype=np.int64)
+        if cfg.dispatch_format == "fp8":
+            out.append(int(offs[-1]) * cfg.n_scales * 4)
+        else:
+            tiles = int(((np.diff(offs) + 127) // 128).sum())
+            out.append(tiles * cfg.scale_k_tiles * 512)
+    return out
+
+
+@pytest.mark.parametrize("devices", groups()[:2])
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "mxfp4"])
 @pytest.mark.parametrize("layout", ["gathered", "direct"])
-def test_large_round_scale_layouts(devices, fmt, layout, rng, monkeypatch):
+def test_large_round_scale_layouts(devices, fmt, layout, rng):
     # A large round's receive notes where each row's scales are and gathers them into the output layout after a
-    # barrier once they span 2 MiB (dispatch.cu kGatherScalesFrom), below that it places them directly: the knobs
-    # force either (kKnobGatheredScales 0x20, kKnobDirectScales 0x10), with the shared expert's rows (group 0, placed
-    # by the send phase) and a staged source in the same round, across many 32-row and 128-row scale tiles.
-    monkeypatch.setattr(cuep.ep, "_KNOBS", {"gathered": 0x20, "direct": 0x10}[layout])
+    # barrier once they span 2 MiB (dispatch/scales.cuh kGatherScalesFrom); below that it places them as each
+    # message lands. Both, with the shared expert's rows (group 0, placed by the send phase) and a staged source in
+    # the same round (several ranks), across many 32-row and 128-row scale tiles.
     R = len(devices)
+    gathered = layout == "gathered"
+    hidden, T = (7168, 1400 * R) if gathered else (2048, 200)
     for shared in (False, True):
-        cfg, buf = make(devices, hidden=2048, dispatch_format=fmt, fused_shared_expert=shared,
-                        max_tokens_per_rank=200, small_batch_tokens=16)
-        n = [10 if r == 0 and R > 1 else int(rng.integers(150, 201)) for r in range(R)]
+        cfg, buf = make(devices, hidden=hidden, dispatch_format=fmt, fused_shared_expert=shared,
+                        max_tokens_per_rank=T, small_batch_tokens=16)
+        n = [10 if r == 0 and R > 1 else (T if gathered else int(rng.integers(150, 201))) for r in range(R)]
         run_round(buf, cfg, rng, n, weights_at="dispatch")
         run_round(buf, cfg, rng, n, weights_at="combine", async_halves=True)
+        sizes = _scale_layout_bytes(buf, cfg)
+        assert all((b >= GATHER_SCALES_FROM) == gathered for b in sizes), (layout, sizes)
         buf.close()
 
 
@@ -112,12 +132,7 @@ def test_few_sms_move_whole_tokens_per_warp(devices, fmt, rng):
 def test_polled_and_counted_partial_sums(devices, rng):
     # bf16 partial sums in parity slots: tokens t < 256 (combine_poll_tokens) go to comb_poll, where the receiver
     # polls the data, and later tokens to comb_recv behind arrival counts, in the same round; a weighted round (rows
-    # behind counts) in between, rounds of both parities (the receiver resets what it polled), and a round with the
-    # polling off (kKnobCombineNoPoll: every token counted)
-    import re
-
-    from cuep import _kernels, ep as ep_mod
-
+    # behind counts) in between, and rounds of both parities (the receiver resets what it polled)
     cfg, buf = make(devices, hidden=256, dispatch_format="bf16", max_tokens_per_rank=320, n_experts=32,
                     small_batch_tokens=16)
     R = len(devices)
@@ -126,13 +141,6 @@ def test_polled_and_counted_partial_sums(devices, rng):
     run_round(buf, cfg, rng, n)
     run_round(buf, cfg, rng, n, weights_at="combine")
     run_round(buf, cfg, rng, [int(rng.integers(1, 321)) for _ in range(R)], skew=True)
-    saved = ep_mod._KNOBS
-    try:
-        shift = re.search(r"kKnobCombineNoPoll = 1 << (\d+);", (_kernels.SRC_DIR / "ep.cuh").read_text()).group(1)
-        ep_mod._KNOBS = 1 << int(shift)
-        run_round(buf, cfg, rng, n)
-    finally:
-        ep_mod._KNOBS = saved
     run_round(buf, cfg, rng, [16] * R)  # staged dispatch, every token polled
     run_round(buf, cfg, rng, n, residual=True)
 
@@ -287,3 +295,21 @@ def test_bad_arguments_raise_before_launch(rng):
     with pytest.raises(NotImplementedError, match="multi-node"):
         cuep.Buffer(cuep.init([0, 0]), cuep.EPConfig(256, 2, 8, 16, n_gpus_per_node=1, n_nodes=2))
     run_round(buf, cfg, rng, [16, 16])  # nothing was corrupted
+
+
+@pytest.mark.parametrize("devices", [g for g in groups() if len(g.values[0]) in (2, 4, 8)])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_allreduce_shares_of_the_shared_expert(devices, fmt, rng):
+    # allreduce_world_size A: with skip_a2a and a fused shared expert, rank r's group 0 holds only its share of the
+    # tokens ([p N / A, (p + 1) N / A), p = r % A) and combine adds the shared row only there, so the all-reduce over
+    # a group sums it once (the reference checks rows, src_info and every output). Direct and staged rounds, N < A,
+    # no tokens, weights at combine with a residual, and the unreduced output (slot K zero outside the share).
+    R = len(devices)
+    for A in sorted({2, R}):
+        cfg, buf = make(devices, dispatch_format=fmt, fused_shared_expert=True, skip_a2a=True,
+                        allreduce_world_size=A, small_batch_tokens=24)
+        for n in (48, 13, 1, 0):
+            run_round(buf, cfg, rng, [n] * R, weights_at="dispatch")
+        run_round(buf, cfg, rng, [48] * R, weights_at="combine", residual=True, async_halves=True)
+        run_round(buf, cfg, rng, [20] * R, weights_at=None)
+        buf.close()

@@ -270,17 +270,3 @@ def test_ops_numpy_inputs_say_cupy_asarray(call, arg):
 def test_init_weights_mistakes(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         moe.init_weights(cuep.EPConfig(**STD), **{"intermediate": 64, **kwargs})
-
-
-def test_measurement_knobs_variable(monkeypatch):
-    """CUEP_EP_KNOBS (development A/B bits of the EP kernels) is an integer; its low four bits (the phases) are ignored,
-    and anything else is named in a clear error."""
-    from cuep import ep
-
-    monkeypatch.setenv("CUEP_EP_KNOBS", "0x3ff")
-    assert ep._env_knobs() == 0x3f0
-    monkeypatch.delenv("CUEP_EP_KNOBS")
-    assert ep._env_knobs() == 0
-    monkeypatch.setenv("CUEP_EP_KNOBS", "fast")
-    with pytest.raises(ValueError, match="CUEP_EP_KNOBS='fast' must be an integer"):
-        ep._env_knobs()

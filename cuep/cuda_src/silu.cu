@@ -17,7 +17,7 @@
 namespace cuep {
 
 // Two resident blocks (16 warps) per SM: up to 128 registers per thread, so the compiler keeps many independent
-// values of the long silu + quantize chain in flight (measured best with the 2-stage ring: docs/PERF-NOTES.md).
+// values of the long silu + quantize chain in flight (measured best with the 2-stage ring: docs/design.md).
 #ifndef CUEP_SILU_MIN_BLOCKS
 #define CUEP_SILU_MIN_BLOCKS 2
 #endif
@@ -28,10 +28,7 @@ constexpr int kSiluMinBlocks = CUEP_SILU_MIN_BLOCKS;
 // register loads the compiler interleaves loads and arithmetic to fit 64 registers, and the warps stall on memory
 // about half of the time). A stage is one span of gate and up: 2 x 512 bf16 or 2 x 256 float32 = 2 KiB per warp.
 // cuep/ops.py sizes the dynamic shared memory from the same two numbers (_SILU_STAGES, _SILU_STAGE_BYTES).
-#ifndef CUEP_SILU_STAGES
-#define CUEP_SILU_STAGES 2
-#endif
-constexpr int kSiluStages = CUEP_SILU_STAGES;
+constexpr int kSiluStages = 2;
 constexpr int kSiluStageBytes = 2048;
 
 

@@ -1,0 +1,153 @@
+// Waits and work sharing of the EP kernels: bounded waits on signals (a warp's, a block's), the grid barrier of a
+// launch's co-resident blocks, the "last block done" pattern, and how items are cut and ordered over the warps.
+// Every wait here is bounded by SpinClock (ep/state.cuh): a peer that never signals becomes kStatusTimeout.
+#pragma once
+#include "state.cuh"
+#include "transport.cuh"
+
+namespace cuep {
+
+// Split each of `items` rows of `unit_count` units into chunks so the grid's warps all get work: one chunk per
+// item when items outnumber warps (prefill), up to one unit per lane-step when they are few (decode).
+// Returns the chunk size in units, a multiple of `align_units`.
+// `warps`: the warps sharing the items (default: the whole grid).
+__device__ __forceinline__ long long chunk_units(long long items, long long unit_count, long long align_units,
+                                                 long long warps = 0) {
+    if (warps <= 0) warps = static_cast<long long>(gridDim.x) * (blockDim.x / kWarp);
+    long long n = items > 0 ? warps / items : 1;
+    n = n < 1 ? 1 : n;
+    const long long max_n = (unit_count + align_units - 1) / align_units;
+    n = n > max_n ? max_n : n;
+    const long long per = (unit_count + n - 1) / n;
+    return (per + align_units - 1) / align_units * align_units;
+}
+
+// Work items (message, chunk) interleaved over the source ranks: item v is chunk v % n_chunks of message
+// q / n_src of source (q + rot) % n_src, q = v / n_chunks; items past a source's message count are empty (at()
+// returns false). Senders go through their messages in this order so that every GPU writes to every destination
+// at once (one destination at a time, as in source order, takes several GPUs' traffic and halves the all-to-all
+// rate), and receivers take them in the same order, which is the order they arrive in.
+struct SourceInterleave {
+    const int* count;  // [n_src] messages of each source
+    int n_src, n_chunks, rot;
+    int n_items;       // n_src x (largest count) x n_chunks, empty items included
+    __device__ __forceinline__ bool at(int v, int& s, int& i, int& ch) const {
+        ch = v % n_chunks;
+        const int q = v / n_chunks;
+        i = q / n_src;
+        s = (q % n_src + rot) % n_src;
+        return i < count[s];
+    }
+};
+
+// Lane 0 spins (acquire, bounded) until done(*flag) holds; the warp barrier then orders every lane's reads after
+// it. Returns false (after recording whom it waited for) on timeout or once the rank has failed.
+template <class Done>
+__device__ __forceinline__ bool warp_wait_until(const int* flag, Done done, const EPParams& ep, int kernel, int src,
+                                                int lane, unsigned sleep_ns = 32) {
+    int ok = 1;
+    if (lane == 0) {
+        SpinClock clock;
+        while (!done(poll_flag(flag))) {
+            if (clock.stop(ep, kernel, src)) {
+                ok = 0;
+                break;
+            }
+            __nanosleep(sleep_ns);
+        }
+    }
+    ok = __shfl_sync(0xffffffffu, ok, 0);
+    __syncwarp();
+    return ok != 0;
+}
+
+// The same, until *flag == want.
+__device__ __forceinline__ bool warp_wait_value(const int* flag, int want, const EPParams& ep, int kernel, int src,
+                                                int lane) {
+    return warp_wait_until(flag, [want](int v) { return v == want; }, ep, kernel, src, lane);
+}
+
+// Spin (this thread, bounded) until the stamped entry *p carries `stamp` in its high 32 bits; its low 32 bits in
+// `value`. False (after recording whom it waited for) on timeout or once the rank has failed.
+__device__ __forceinline__ bool wait_stamped(const EPParams& ep, const uint64_t* p, uint32_t stamp, int kernel,
+                                             int src, uint32_t& value, unsigned sleep_ns = 32) {
+    uint64_t v;
+    SpinClock clock;
+    while (static_cast<uint32_t>((v = poll_u64(p)) >> 32) != stamp) {
+        if (clock.stop(ep, kernel, src)) return false;
+        __nanosleep(sleep_ns);
+    }
+    value = static_cast<uint32_t>(v);
+    return true;
+}
+
+// Spin (all threads of the block call it) until done(entries[i]) for every i < n, bounded by the timeout.
+// Returns false and records (kernel, expert=-1, src) on timeout. `stride`: entries[i * stride] is entry i.
+template <class Done>
+__device__ __forceinline__ bool block_wait_entries(const uint64_t* entries, int n, Done done, const EPParams& ep,
+                                                   int kernel, int* s_ok, int stride = 1) {
+    if (threadIdx.x == 0) *s_ok = 1;
+    __syncthreads();
+    if (threadIdx.x < n) {
+        SpinClock clock;
+        while (!done(poll_u64(entries + static_cast<long long>(threadIdx.x) * stride))) {
+            if (clock.stop(ep, kernel, threadIdx.x)) {
+                *s_ok = 0;
+                break;
+            }
+            __nanosleep(64);
+        }
+    }
+    __syncthreads();
+    return *s_ok != 0;
+}
+
+// Blocks of a launch that move data in the send phase: all of them, except that in one fused launch (send and
+// receive phases) recv_eighths / 8 of the grid only receive.
+__device__ __forceinline__ int send_block_count(int phases, int recv_eighths) {
+    const bool fused = (phases & kPhaseSend) && (phases & kPhaseRecv);
+    const int grid = static_cast<int>(gridDim.x);
+    return fused ? grid - grid * recv_eighths / 8 : grid;
+}
+
+// "Last block done" pattern: every block calls this once after its share of a phase (all threads); it returns true
+// in exactly one block, after every other block's writes of the phase are visible to it. That block finishes the
+// phase and resets `*done` to 0 so the next round starts clean. The phases that use it write only this GPU's
+// memory before it, so the fences are at device scope.
+__device__ __forceinline__ bool last_block_done(int* done, int* s_flag) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();  // this block's writes before the count
+        const int prev = atomicAdd(done, 1);
+        *s_flag = (prev == static_cast<int>(gridDim.x) - 1);
+        if (*s_flag) __threadfence();
+    }
+    __syncthreads();
+    return *s_flag != 0;
+}
+
+// Grid barrier of the n_blocks blocks that call it (all threads; the blocks must be resident together, as an EP
+// launch's one block per SM is): each arrives on *count (zeroed a round ahead by its owner), then waits, bounded,
+// for all. The fences order every block's writes before the barrier with every block's reads after it.
+__device__ __forceinline__ bool blocks_barrier(const EPParams& ep, int* count, int n_blocks, int kernel, int* s_ok) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(count, 1);
+        int ok = 1;
+        SpinClock clock;
+        while (load_acquire_i32(count) < n_blocks) {
+            if (clock.stop(ep, kernel, -1)) {
+                ok = 0;
+                break;
+            }
+            __nanosleep(32);
+        }
+        __threadfence();
+        *s_ok = ok;
+    }
+    __syncthreads();
+    return *s_ok != 0;
+}
+
+}  // namespace cuep

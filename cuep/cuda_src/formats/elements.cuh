@@ -1,0 +1,201 @@
+// Element codecs of the wire formats, bit-exact with docs/formats.md: the constants (mirrored in cuep/formats.py),
+// bf16, e4m3 and e2m1 encode / decode, powers of two, FTZ, fused_silu's float32 silu, and the 128x4 swizzled
+// scale offset. Every float32 operation of the contract is an explicit round-to-nearest intrinsic (formats.cuh).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include "../common.cuh"
+
+namespace cuep {
+
+// ---- constants (mirrored in cuep/formats.py; a CPU test checks they agree) ------------------------------
+constexpr int kFp8Block = 128;           // values per fp8 scale
+constexpr float kFp8Max = 448.0f;        // largest finite e4m3
+constexpr float kFp8AmaxFloor = 1e-4f;   // fp8 amax floor: s = max(amax, floor) / 448
+constexpr int kNvfp4Block = 16;          // values per nvfp4 (e4m3) scale
+constexpr int kMxfp4Block = 32;          // values per mxfp4 (e8m0) scale
+constexpr float kE2m1Max = 6.0f;         // largest e2m1
+constexpr float kFp8MaxRcp = 0x1.24924ap-9f;   // RN(1 / 448), for the division by 448 (div_rn_by)
+constexpr float kE2m1MaxRcp = 0x1.555556p-3f;  // RN(1 / 6)
+constexpr int kScaleTileRows = 128;      // swizzled block scales: 128 rows x 4 columns per 512-byte tile
+constexpr int kScaleTileCols = 4;
+constexpr int kScaleTileBytes = 512;
+static_assert(kScaleTileBytes == kScaleTileRows * kScaleTileCols, "a scale tile is 128 x 4 bytes");
+
+constexpr int kLaneValues = 8;                    // values per lane per warp step (16 bytes of bf16)
+constexpr int kWarpSpan = kWarp * kLaneValues;    // values per warp step: 256
+constexpr int kOpsThreads = 256;                  // threads per block of the ops kernels (cuep/ops.py: _THREADS)
+constexpr int kMaxGroups = 4096;                  // most expert groups the swizzled-scale kernels take (smem)
+
+enum FormatId : int { kFmtBf16 = 0, kFmtFp8 = 1, kFmtNvfp4 = 2, kFmtMxfp4 = 3 };
+
+// ---- bits ---------------------------------------------------------------------------------------------
+constexpr uint32_t kSignBit = 0x80000000u;
+constexpr uint32_t kExpMask = 0x7F800000u;
+
+// Flush a float32 subnormal to zero of the same sign (what -ftz=true does to operands and results).
+__device__ __forceinline__ float ftz(float x) {
+    const uint32_t b = __float_as_uint(x);
+    return (b & kExpMask) ? x : __uint_as_float(b & kSignBit);
+}
+
+// 2**(biased - 127) built from its bits, biased in [0, 255]: 0 gives +0 (2**-127 is a subnormal, which an FTZ
+// operand is), 255 gives +Inf. Exact: no arithmetic.
+__device__ __forceinline__ float pow2_from_biased(uint32_t biased) { return __uint_as_float(biased << 23); }
+
+// ---- bf16 -----------------------------------------------------------------------------------------------
+__device__ __forceinline__ float bf16_to_float(uint16_t b) { return __uint_as_float(uint32_t(b) << 16); }
+
+// float32 -> bf16 bits, round to nearest even, subnormals kept, overflow to Inf; NaN -> 0x7FC0 / 0xFFC0 by its
+// sign (what ml_dtypes does). Integer arithmetic, so no flag (ftz, fmad) can touch it.
+__device__ __forceinline__ uint32_t bf16_encode(float x) {
+    const uint32_t b = __float_as_uint(x);
+    if ((b & ~kSignBit) > kExpMask) return (b >> 16 & 0x8000u) | 0x7FC0u;
+    return (b + 0x7FFFu + (b >> 16 & 1u)) >> 16;
+}
+
+// Two bf16 from one little-endian word: element 0 in the low half.
+__device__ __forceinline__ void bf16x2_to_float(uint32_t w, float& lo, float& hi) {
+    lo = __uint_as_float(w << 16);
+    hi = __uint_as_float(w & 0xFFFF0000u);
+}
+
+__device__ __forceinline__ uint32_t bf16x2_encode(float lo, float hi) {
+    return bf16_encode(lo) | bf16_encode(hi) << 16;
+}
+
+// ---- e4m3 (float8_e4m3fn) ---------------------------------------------------------------------------------
+// cvt_e4m3 of two values: round to nearest even, saturating to +-448 (NaN stays NaN); `lo` in the low byte.
+__device__ __forceinline__ uint32_t e4m3x2_encode(float lo, float hi) {
+    return __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3);
+}
+
+__device__ __forceinline__ uint32_t e4m3_encode(float v) {
+    return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
+}
+
+// e4m3 byte -> float32, exact (0x7F / 0xFF are NaN).
+__device__ __forceinline__ float e4m3_decode(uint32_t b) {
+    const uint32_t sign = (b & 0x80u) << 24, exp = b >> 3 & 0xFu, man = b & 7u;
+    if ((b & 0x7Fu) == 0x7Fu) return __uint_as_float(sign | 0x7FC00000u);
+    if (exp == 0) return __uint_as_float(sign | __float_as_uint(__fmul_rn(float(man), 0x1p-9f)));  // man * 2**-9
+    return __uint_as_float(sign | (exp + 120u) << 23 | man << 20);  // bias 7 -> bias 127
+}
+
+// e4m3 byte -> float32 by the hardware conversion (F2FP e4m3 -> f16, then f16 -> f32: two instructions, exact for
+// every finite code; a NaN code gives some NaN).
+__device__ __forceinline__ float e4m3_to_float(uint32_t b) {
+    return __half2float(__half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(b), __NV_E4M3)));
+}
+
+// ---- e2m1 ---------------------------------------------------------------------------------------------------
+// cvt_e2m1 of docs/formats.md: round to nearest even on {0, .5, 1, 1.5, 2, 3, 4, 6}, saturating at 6; the sign
+// bit (0x8) is the sign bit of v (-0.0 and tiny negatives give 0x8); NaN gives magnitude 7, as the reference.
+//
+// Magnitude, with a = min(|v|, 6) (FMNMX.FTZ: NaN -> 6, Inf -> 6, subnormal -> 0), from float32 operations that
+// round once each and exactly where the grid does, plus one integer add (no compare, no select):
+//   big   = the code of w = max(a, 1): for w >= 1 the grid's steps (0.5 in [1, 2), 1 in [2, 4), 2 in [4, 6]) are
+//           one kept mantissa bit, so w rounded to 2 significant bits, ties to even (Veltkamp's split with
+//           C = 2**22 + 1: hi = w*C - (w*C - w)), is the rounded value, hi in {1, 1.5, 2, 3, 4, 6}, and
+//           bits(hi) >> 22 = 252 + code (1.0 -> 2 ... 6.0 -> 7);
+//   small = min(a, 1) + 2**22 (FADD.SAT, then an add whose ulp is the step 0.5, ties to even: 0.25 -> 0,
+//           0.75 -> 1.0): bits(small) = 0x4A800000 + code (0, 1 or 2);
+//   code  = (big code) + (small code) - 2: a < 1 has big code 2, a >= 1 has small code 2.
+// Identical to cuep.reference.quant.e2m1_encode over all 2**32 float32 bit patterns: scripts/check_exhaustive.py
+// (e2m1) runs a NumPy emulation of exactly these operations over all of them. __fmul_rn / __fsub_rn / __fadd_rn
+// are never contracted into an FMA; w, hi and the sums are normal numbers (FTZ changes nothing).
+constexpr uint32_t kE2m1Bias = 252u + 0x4A800000u + 2u;  // e2m1_biased(v) - kE2m1Bias = the magnitude code
+
+// code + kE2m1Bias (mod 2**32), magnitude only: the sign is added by the callers.
+__device__ __forceinline__ uint32_t e2m1_biased(float v) {
+    const float a = fminf(fabsf(v), kE2m1Max);
+    const float w = fmaxf(a, 1.0f);
+    const float wc = __fmul_rn(w, 4194305.0f);                      // w * (2**22 + 1), exact range: w <= 6
+    const float hi = __fsub_rn(wc, __fsub_rn(wc, w));                // w rounded to 2 significant bits (RNE)
+    const float small = __fadd_rn(__saturatef(a), 0x1p22f);          // FADD.SAT: min(a, 1), then the 0.5 step
+    return (__float_as_uint(hi) >> 22) + __float_as_uint(small);     // one LEA.HI
+}
+
+__device__ __forceinline__ uint32_t e2m1_encode(float v) {
+    return (e2m1_biased(v) - kE2m1Bias) | (__float_as_uint(v) >> 28 & 8u);
+}
+
+// Eight codes packed into a word, element i in nibble i (element 2i in the low nibble of byte i). The biased
+// magnitudes are summed into place (the bias of all eight cancels in one constant, no carries: each code <= 7);
+// the sign bits are gathered with funnel shifts of the raw bits (the top nibble of each, masked once).
+__device__ __forceinline__ uint32_t e2m1x8_encode(const float (&v)[kLaneValues]) {
+    uint32_t mag = 0u - kE2m1Bias * 0x11111111u;
+#pragma unroll
+    for (int i = 0; i < kLaneValues; ++i) mag += e2m1_biased(v[i]) << (4 * i);
+    uint32_t sign = __float_as_uint(v[kLaneValues - 1]) >> 28;
+#pragma unroll
+    for (int i = kLaneValues - 2; i >= 0; --i) sign = __funnelshift_l(__float_as_uint(v[i]), sign, 4);
+    return mag | (sign & 0x88888888u);
+}
+
+// e2m1 code (0..15) -> float32, exact (code 8 is -0.0).
+__device__ __forceinline__ float e2m1_decode(uint32_t code) {
+    const uint32_t exp = code >> 1 & 3u, man = code & 1u;
+    const uint32_t mag = exp ? ((exp + 126u) << 23 | man << 22) : (man ? 0x3F000000u : 0u);  // 0x3F000000 = 0.5
+    return __uint_as_float((code & 8u) << 28 | mag);
+}
+
+// ---- silu (fused SwiGLU) ------------------------------------------------------------------------------------
+// sv = silu(g) = g * sigmoid(g) in float32 exactly as docs/formats.md ("Fused SwiGLU") and
+// cuep.reference.ep.silu_f32 compute it: every operation rounded to nearest even and flushed (-ftz=true), the
+// FMAs rounded once (__fmaf_rn; NumPy emulates them exactly: cuep.reference.quant.fma_f32). Within 3.4 float32
+// ulp of the exact silu wherever that exceeds 2**-118 in magnitude (g above about -87.2); below, within 2**-119.
+//   x   = max(-|g|, -88)                    (NaN g: -88)
+//   t   = fma(x, log2e, 1.5 * 2**23)        n = t - 1.5 * 2**23 = rint(x * log2e) in [-127, 0], ties to even
+//   r   = fma(n, -ln2_lo, fma(n, -ln2_hi, x))
+//   p   = Horner with FMAs: c6, c5, c4, c3, c2, 1, 1  (e**r on |r| <= 0.35)
+//   e   = p * 2**n, 2**n from the bits of t: (bits(t) << 23) + bits(1.0) = (n + 127) << 23 (n = -127: +0)
+//   s   = RN(1 / (1 + e))                   (1 + e in [1, 2]: rcp_rn_normal)
+//   sv  = (g < 0 ? g * e : g) * s           (sigmoid(-|g|) = e * s)
+// About 20 instructions and no division or branch (the IEEE division alone was about 10 with its slow path).
+constexpr float kSiluXMin = -88.0f;                  // rint(-88 * log2e) = -127: 2**n = +0
+constexpr float kSiluLog2e = 0x1.715476p+0f;         // 1.44269504f
+constexpr float kSiluRint = 0x1.8p+23f;              // 1.5 * 2**23: adding it rounds to an integer
+constexpr float kSiluLn2Hi = 0x1.63p-1f;             // 0.693359375 (9 bits: n * ln2_hi exact)
+constexpr float kSiluLn2Lo = -0x1.bd0106p-13f;       // -2.12194440e-4
+constexpr float kSiluC6 = 0x1.6a1a8ep-10f;           // minimax e**r on |r| <= 0.35 (relative error 3.3e-9)
+constexpr float kSiluC5 = 0x1.123fb6p-7f;
+constexpr float kSiluC4 = 0x1.555916p-5f;
+constexpr float kSiluC3 = 0x1.55548ap-3f;
+constexpr float kSiluC2 = 0x1.fffffcp-2f;
+
+// RN(1/d) for a normal d whose exponent is not extreme (|d| in [2**-124, 2**124]): the hardware estimate and one
+// Newton step, CUDA's own rcp.rn.f32 fast path (it takes a slow path only outside that range). tests/test_ops_gpu.py
+// checks it against __frcp_rn for every d of the ranges cuep uses.
+__device__ __forceinline__ float rcp_rn_normal(float d) {
+    float y;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(d));
+    return __fmaf_rn(y, __fmaf_rn(-d, y, 1.0f), y);
+}
+
+__device__ __forceinline__ float silu_f32(float g) {
+    const float x = fmaxf(-fabsf(g), kSiluXMin);
+    const float t = __fmaf_rn(x, kSiluLog2e, kSiluRint);
+    const float n = __fsub_rn(t, kSiluRint);
+    const float r = __fmaf_rn(n, -kSiluLn2Lo, __fmaf_rn(n, -kSiluLn2Hi, x));
+    float p = kSiluC6;
+    p = __fmaf_rn(p, r, kSiluC5);
+    p = __fmaf_rn(p, r, kSiluC4);
+    p = __fmaf_rn(p, r, kSiluC3);
+    p = __fmaf_rn(p, r, kSiluC2);
+    p = __fmaf_rn(p, r, 1.0f);
+    p = __fmaf_rn(p, r, 1.0f);
+    const float e = __fmul_rn(p, __uint_as_float((__float_as_uint(t) << 23) + 0x3F800000u));
+    const float s = rcp_rn_normal(__fadd_rn(1.0f, e));
+    return __fmul_rn(g < 0.0f ? __fmul_rn(g, e) : g, s);
+}
+
+// ---- swizzled (128x4 tiled) block scales ---------------------------------------------------------------
+// Byte offset of scale (row, col) in the 128x4-tiled layout (docs/formats.md; cuep.formats.swizzled_scale_offset).
+__host__ __device__ __forceinline__ constexpr int64_t swizzled_scale_offset(int64_t row, int col, int k_tiles) {
+    return ((row / kScaleTileRows) * k_tiles + col / kScaleTileCols) * kScaleTileBytes + (row % 32) * 16 +
+           ((row % kScaleTileRows) / 32) * 4 + col % kScaleTileCols;
+}
+
+}  // namespace cuep

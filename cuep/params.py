@@ -1,0 +1,96 @@
+"""The kernel parameter structs of ``cuda_src/ep/params.cuh`` as NumPy structured dtypes, and their builders.
+
+Every EP kernel takes one struct by value: ``DispatchParams`` (``EPParams`` + ``DispatchArgs``) or
+``CombineParams`` (``EPParams`` + ``CombineArgs``). ``EPParams`` describes one rank's buffer and is built once per
+:class:`cuep.Buffer`; the ``*Args`` part is one call's arrays (device pointers) and scalars. The dtypes below are
+aligned like the C structs (``align=True``); ``tests/test_params.py`` compiles a file of ``static_assert``s with
+nvcc that checks every field's offset and every struct's size against these dtypes.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+MAX_RANKS = 8  # kMaxRanks: entries of peer_base
+
+#: EPParams' int64 fields, in the order of the C struct (peer_base[MAX_RANKS] follows them).
+EP_PARAMS_FIELDS = (
+    "rank", "n_ranks", "n_src", "src_index", "n_local", "n_experts", "top_k", "hidden", "max_tokens",
+    "payload_bytes", "scale_bytes", "row_align", "n_scales", "k_tiles", "n_groups", "shared", "skip_a2a",
+    "ar_size", "ar_index", "capacity", "meta_bytes", "meta_ids", "meta_w", "meta_rows", "meta_scales",
+    "combine_itemsize", "small_tokens", "stage_record", "off_tokens", "off_comb_recv", "off_meta", "off_tally",
+    "off_comb_ready", "off_comb_arrived", "off_counters", "off_scratch", "off_stage", "off_comb_poll",
+    "off_scale_rows", "poll_tokens", "timeout_ns", "err_ptr",
+)
+
+EP_PARAMS_DTYPE = np.dtype([(f, np.int64) for f in EP_PARAMS_FIELDS] + [("peer_base", np.int64, (MAX_RANKS,))],
+                           align=True)
+
+_PTR = np.uint64  # device pointers (0 = nullptr)
+
+#: DispatchArgs: pointers first, then the scalars (the C struct's order).
+DISPATCH_ARGS_DTYPE = np.dtype([
+    ("x", _PTR), ("topk_ids", _PTR), ("topk_weights", _PTR), ("scales_out", _PTR), ("row_offsets", _PTR),
+    ("expert_ids", _PTR), ("scales_offsets", _PTR), ("src_info", _PTR), ("row_src", _PTR), ("row_weight", _PTR),
+    ("msg_rows", _PTR), ("msg_token", _PTR), ("msg_j", _PTR), ("msg_count", _PTR),
+    ("num_tokens", np.int32), ("global_scale", np.float32), ("phases", np.int32),
+], align=True)
+
+#: CombineArgs.
+COMBINE_ARGS_DTYPE = np.dtype([
+    ("expert_out", _PTR), ("src_info", _PTR), ("row_src", _PTR), ("row_weight", _PTR), ("msg_rows", _PTR),
+    ("msg_token", _PTR), ("msg_j", _PTR), ("msg_count", _PTR), ("row_offsets", _PTR), ("topk_ids", _PTR),
+    ("topk_weights", _PTR), ("residual", _PTR), ("out", _PTR),
+    ("num_tokens", np.int32), ("mode", np.int32), ("phases", np.int32),
+], align=True)
+
+DISPATCH_PARAMS_DTYPE = np.dtype([("ep", EP_PARAMS_DTYPE), ("call", DISPATCH_ARGS_DTYPE)], align=True)
+COMBINE_PARAMS_DTYPE = np.dtype([("ep", EP_PARAMS_DTYPE), ("call", COMBINE_ARGS_DTYPE)], align=True)
+
+#: The C struct behind each dtype (the layout test's table).
+C_STRUCTS = {
+    "EPParams": EP_PARAMS_DTYPE, "DispatchArgs": DISPATCH_ARGS_DTYPE, "CombineArgs": COMBINE_ARGS_DTYPE,
+    "DispatchParams": DISPATCH_PARAMS_DTYPE, "CombineParams": COMBINE_PARAMS_DTYPE,
+}
+
+
+def ep_params(values: dict) -> np.ndarray:
+    """One rank's ``EPParams`` as a one-element structured array.
+
+    Args:
+        values: every name of :data:`EP_PARAMS_FIELDS` (int) and ``peer_base`` (up to ``MAX_RANKS`` ints; the
+            rest are 0).
+
+    Raises:
+        ValueError: a field missing or unknown.
+    """
+    want = set(EP_PARAMS_FIELDS) | {"peer_base"}
+    missing, unknown = want - set(values), set(values) - want
+    if missing or unknown:
+        raise ValueError(f"EPParams: missing fields {sorted(missing)}, unknown fields {sorted(unknown)}")
+    rec = np.zeros(1, EP_PARAMS_DTYPE)
+    for f in EP_PARAMS_FIELDS:
+        rec[f] = values[f]
+    bases = list(values["peer_base"])
+    if len(bases) > MAX_RANKS:
+        raise ValueError(f"peer_base has {len(bases)} entries; at most {MAX_RANKS} ranks")
+    rec["peer_base"][0, :len(bases)] = bases
+    return rec
+
+
+def launch_params(dtype: np.dtype, ep: np.ndarray) -> np.ndarray:
+    """A one-element ``DispatchParams`` / ``CombineParams`` record with ``ep`` filled in and the call zeroed: the
+    template a call copies and fills (:func:`pointer` for arrays)."""
+    rec = np.zeros(1, dtype)
+    rec["ep"] = ep
+    return rec
+
+
+def pointer(a) -> int:
+    """The device address of a CuPy array, or 0 for None (a nullptr in the kernel)."""
+    return 0 if a is None else int(a.data.ptr)
+
+
+def kernel_argument(rec: np.ndarray) -> np.void:
+    """The struct as the kernel takes it by value: the record's bytes as one ``numpy.void`` (CuPy copies them
+    into the launch's parameter space)."""
+    return rec.view(np.dtype((np.void, rec.dtype.itemsize)))[0]
