@@ -202,7 +202,7 @@ def rank0_alone(small_batch_tokens, phases, rng):
     """Two ranks on GPU 0, 16 tokens each, a 0.2 s timeout; only rank 0 runs its dispatch kernel (phase bits
     `phases`), so whatever it waits for from rank 1 never comes. Returns (cfg, buf, x, ids) once it is done."""
     import cupy
-    from cuep import ep as ep_mod
+    from cuep import ep as ep_mod, params
 
     cfg = cuep.EPConfig(hidden=256, top_k=2, n_experts=8, max_tokens_per_rank=16, n_gpus_per_node=2,
                         small_batch_tokens=small_batch_tokens)
@@ -212,10 +212,10 @@ def rank0_alone(small_batch_tokens, phases, rng):
     r = buf._ranks[0]
     threads, smem = ep_mod._dispatch_launch(buf, staged=False)
     fn = ep_mod._kernel("dispatch.cu:cuep_dispatch_bf16_from_bf16", smem)
-    z = ep_mod._NULL
-    fn((buf.num_sms,), (threads,), (r.params, gx[0], gids[0], z, np.int32(16), np.float32(1), z, r.row_offsets,
-                                r.expert_ids, z, r.src_info, r.row_src, r.row_weight, r.msg_rows, r.msg_token,
-                                r.msg_j, r.msg_count, np.int32(phases)), shared_mem=smem)
+    p = params.pointer
+    call = (p(gx[0]), p(gids[0]), 0, 0, p(r.row_offsets), p(r.expert_ids), 0, p(r.src_info), p(r.row_src),
+            p(r.row_weight), p(r.msg_rows), p(r.msg_token), p(r.msg_j), p(r.msg_count), 16, 1.0, phases)
+    ep_mod._launch(fn, buf, threads, smem, params.DISPATCH_PARAMS_DTYPE, r.params, params.DISPATCH_ARGS_DTYPE, call)
     cupy.cuda.Device(0).synchronize()
     return cfg, buf, gx, gids
 
