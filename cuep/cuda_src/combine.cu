@@ -74,7 +74,8 @@ __device__ __forceinline__ void combine_kernel(const EPParams& ep, const Combine
 #define CUEP_COMBINE(NAME, TC)                                                                               \
     extern "C" __global__ void __launch_bounds__(cuep::kCombineThreads)                                      \
         NAME(const __grid_constant__ cuep::CombineParams params) {                                           \
-        cuep::combine_kernel<TC>(params.ep, params.call);                                                     \
+        const cuep::CombineArgs call = params.call; /* in registers: immutable through every fence */         \
+        cuep::combine_kernel<TC>(params.ep, call);                                                            \
     }
 
 CUEP_COMBINE(cuep_combine_bf16, cuep::bf16_t)

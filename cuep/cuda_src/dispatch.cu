@@ -96,7 +96,8 @@ __device__ __forceinline__ void dispatch_kernel(const EPParams& ep, const Dispat
 #define CUEP_DISPATCH(NAME, FMT, T)                                                                          \
     extern "C" __global__ void __launch_bounds__(cuep::kDispatchThreads)                                     \
         NAME(const __grid_constant__ cuep::DispatchParams params) {                                          \
-        cuep::dispatch_kernel<cuep::FMT, T>(params.ep, params.call);                                          \
+        const cuep::DispatchArgs call = params.call; /* in registers: immutable through every fence */       \
+        cuep::dispatch_kernel<cuep::FMT, T>(params.ep, call);                                                 \
     }
 
 CUEP_DISPATCH(cuep_dispatch_bf16_from_bf16, kFmtBf16, cuep::bf16_t)
