@@ -25,8 +25,7 @@ import numpy as np
 
 from . import _kernels
 from .buffer import Buffer
-from .params import (COMBINE_ARGS_DTYPE, COMBINE_PARAMS_DTYPE, DISPATCH_ARGS_DTYPE, DISPATCH_PARAMS_DTYPE,
-                     kernel_argument, pointer)
+from .params import COMBINE_PARAMS_DTYPE, DISPATCH_PARAMS_DTYPE, kernel_argument, launch_record, pointer
 from .formats import GLOBAL_SCALE_MAX, GLOBAL_SCALE_MIN
 
 PHASE_NOTIFY, PHASE_SEND, PHASE_RECV = 1, 2, 4
@@ -211,13 +210,20 @@ _COMBINE_PIECE_BYTES = 4 * 2 * 32 * 16  # kCombinePieceBytes: 4 rows x 64 vector
 COMBINE_RING_BYTES = _COMBINE_RING * _COMBINE_PIECE_BYTES * (_THREADS // 32)
 
 
-def _launch(fn, buf: Buffer, threads: int, smem: int, params_dtype, ep, args_dtype, call: tuple) -> None:
-    """Launch ``fn`` with its one by-value struct: ``ep`` (the rank's EPParams record) and ``call`` (the
-    ``*Args`` fields in their C order, :mod:`cuep.params`)."""
-    rec = np.empty(1, params_dtype)
-    rec["ep"] = ep
-    rec["call"] = np.array(call, dtype=args_dtype)
+def _launch(fn, buf: Buffer, threads: int, smem: int, params_dtype, ep, **call) -> None:
+    """Launch ``fn`` with its one by-value struct: ``ep`` (the rank's EPParams record) and the call's fields by
+    name (:func:`cuep.params.launch_record`)."""
+    rec = launch_record(params_dtype, ep, **call)
     fn((_blocks(buf, threads),), (threads,), (kernel_argument(rec),), shared_mem=smem)
+
+
+def _dispatch_outputs(r) -> dict:
+    """A rank's dispatch outputs and handle arrays as DispatchArgs pointer fields."""
+    return {name: pointer(getattr(r, attr)) for name, attr in (
+        ("scales_out", "scales"), ("row_offsets", "row_offsets"), ("expert_ids", "expert_ids"),
+        ("scales_offsets", "scales_offsets"), ("src_info", "src_info"), ("row_src", "row_src"),
+        ("row_weight", "row_weight"), ("msg_rows", "msg_rows"), ("msg_token", "msg_token"), ("msg_j", "msg_j"),
+        ("msg_count", "msg_count"))}
 
 
 def _kernel(name: str, smem: int):
@@ -305,11 +311,9 @@ def _dispatch(buf: Buffer, x, topk_ids, topk_weights, global_scale: float, phase
             threads, smem = _dispatch_launch(buf, staged=cfg.fmt.name != "bf16" or src != "bf16")
             fn = _kernel(f"dispatch.cu:cuep_dispatch_{cfg.fmt.name}_from_{src}", smem)
             _before_launch(buf, "dispatch.cu")
-            call = (pointer(xs[i]), pointer(ids[i]), pointer(ws[i]), pointer(r.scales), pointer(r.row_offsets),
-                    pointer(r.expert_ids), pointer(r.scales_offsets), pointer(r.src_info), pointer(r.row_src),
-                    pointer(r.row_weight), pointer(r.msg_rows), pointer(r.msg_token), pointer(r.msg_j),
-                    pointer(r.msg_count), xs[i].shape[0], global_scale, ph | local_x)
-            _launch(fn, buf, threads, smem, DISPATCH_PARAMS_DTYPE, r.params, DISPATCH_ARGS_DTYPE, call)
+            _launch(fn, buf, threads, smem, DISPATCH_PARAMS_DTYPE, r.params, x=pointer(xs[i]),
+                    topk_ids=pointer(ids[i]), topk_weights=pointer(ws[i]), num_tokens=xs[i].shape[0],
+                    global_scale=global_scale, phases=ph | local_x, **_dispatch_outputs(r))
     return results
 
 
@@ -369,11 +373,8 @@ def dispatch_wait(pending):
         with cupy.cuda.Device(r.device):
             fn = _kernel(f"dispatch.cu:cuep_dispatch_{cfg.fmt.name}_from_bf16", smem)
             _before_launch(buf, "dispatch.cu")
-            call = (0, 0, 0, pointer(r.scales), pointer(r.row_offsets), pointer(r.expert_ids),
-                    pointer(r.scales_offsets), pointer(r.src_info), pointer(r.row_src), pointer(r.row_weight),
-                    pointer(r.msg_rows), pointer(r.msg_token), pointer(r.msg_j), pointer(r.msg_count), d.num_tokens,
-                    1.0, ph)
-            _launch(fn, buf, threads, smem, DISPATCH_PARAMS_DTYPE, r.params, DISPATCH_ARGS_DTYPE, call)
+            _launch(fn, buf, threads, smem, DISPATCH_PARAMS_DTYPE, r.params, x=0, topk_ids=0, topk_weights=0,
+                    num_tokens=d.num_tokens, global_scale=1.0, phases=ph, **_dispatch_outputs(r))
     return pending
 
 
@@ -444,11 +445,12 @@ def _combine(buf: Buffer, expert_out, dispatched, topk_weights, residual, phases
             smem = COMBINE_RING_BYTES if (ph & PHASE_SEND and suffix == "bf16" and modes[i] == MODE_PARTIAL) else 0
             fn = _kernel(f"combine.cu:cuep_combine_{suffix}", smem)
             _before_launch(buf, "combine.cu")
-            call = (pointer(eos[i]), pointer(r.src_info), pointer(r.row_src), pointer(r.row_weight),
-                    pointer(r.msg_rows), pointer(r.msg_token), pointer(r.msg_j), pointer(r.msg_count),
-                    pointer(r.row_offsets), pointer(d._topk_ids), pointer(ws[i]), pointer(res[i]), pointer(outs[i]),
-                    d.num_tokens, modes[i], ph)
-            _launch(fn, buf, _THREADS, smem, COMBINE_PARAMS_DTYPE, r.params, COMBINE_ARGS_DTYPE, call)
+            _launch(fn, buf, _THREADS, smem, COMBINE_PARAMS_DTYPE, r.params, expert_out=pointer(eos[i]),
+                    src_info=pointer(r.src_info), row_src=pointer(r.row_src), row_weight=pointer(r.row_weight),
+                    msg_rows=pointer(r.msg_rows), msg_token=pointer(r.msg_token), msg_j=pointer(r.msg_j),
+                    msg_count=pointer(r.msg_count), row_offsets=pointer(r.row_offsets),
+                    topk_ids=pointer(d._topk_ids), topk_weights=pointer(ws[i]), residual=pointer(res[i]),
+                    out=pointer(outs[i]), num_tokens=d.num_tokens, mode=modes[i], phases=ph)
     return outs
 
 

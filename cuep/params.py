@@ -77,11 +77,20 @@ def ep_params(values: dict) -> np.ndarray:
     return rec
 
 
-def launch_params(dtype: np.dtype, ep: np.ndarray) -> np.ndarray:
-    """A one-element ``DispatchParams`` / ``CombineParams`` record with ``ep`` filled in and the call zeroed: the
-    template a call copies and fills (:func:`pointer` for arrays)."""
-    rec = np.zeros(1, dtype)
+def launch_record(dtype: np.dtype, ep: np.ndarray, **call) -> np.ndarray:
+    """One ``DispatchParams`` / ``CombineParams`` record: ``ep`` (the rank's EPParams) and the call's fields by name
+    (device pointers as ints from :func:`pointer`, 0 for nullptr; the scalars).
+
+    Raises:
+        ValueError: a field of the call missing or unknown.
+    """
+    args = dtype["call"]
+    if call.keys() != set(args.names):
+        missing, unknown = set(args.names) - call.keys(), call.keys() - set(args.names)
+        raise ValueError(f"kernel call: missing fields {sorted(missing)}, unknown fields {sorted(unknown)}")
+    rec = np.empty(1, dtype)
     rec["ep"] = ep
+    rec["call"] = np.array(tuple(call[n] for n in args.names), dtype=args)
     return rec
 
 

@@ -212,10 +212,9 @@ def rank0_alone(small_batch_tokens, phases, rng):
     r = buf._ranks[0]
     threads, smem = ep_mod._dispatch_launch(buf, staged=False)
     fn = ep_mod._kernel("dispatch.cu:cuep_dispatch_bf16_from_bf16", smem)
-    p = params.pointer
-    call = (p(gx[0]), p(gids[0]), 0, 0, p(r.row_offsets), p(r.expert_ids), 0, p(r.src_info), p(r.row_src),
-            p(r.row_weight), p(r.msg_rows), p(r.msg_token), p(r.msg_j), p(r.msg_count), 16, 1.0, phases)
-    ep_mod._launch(fn, buf, threads, smem, params.DISPATCH_PARAMS_DTYPE, r.params, params.DISPATCH_ARGS_DTYPE, call)
+    ep_mod._launch(fn, buf, threads, smem, params.DISPATCH_PARAMS_DTYPE, r.params, x=params.pointer(gx[0]),
+                   topk_ids=params.pointer(gids[0]), topk_weights=0, num_tokens=16, global_scale=1.0, phases=phases,
+                   **ep_mod._dispatch_outputs(r))
     cupy.cuda.Device(0).synchronize()
     return cfg, buf, gx, gids
 

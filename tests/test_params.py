@@ -90,8 +90,14 @@ def test_ep_params_record():
 
 def test_kernel_argument_is_the_record_bytes():
     ep = params.ep_params({**{f: 7 for f in params.EP_PARAMS_FIELDS}, "peer_base": [1, 2]})
-    rec = params.launch_params(params.DISPATCH_PARAMS_DTYPE, ep)
-    rec["call"] = np.array((1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 128, 0.5, 7), params.DISPATCH_ARGS_DTYPE)
+    names = params.DISPATCH_ARGS_DTYPE.names
+    call = {n: i + 1 for i, n in enumerate(names[:14])}  # the pointers, x = 1
+    rec = params.launch_record(params.DISPATCH_PARAMS_DTYPE, ep, **call, num_tokens=128, global_scale=0.5, phases=7)
+    assert rec["call"]["global_scale"][0] == 0.5 and rec["call"]["phases"][0] == 7
+    with pytest.raises(ValueError, match=r"missing fields \['phases'\]"):
+        params.launch_record(params.DISPATCH_PARAMS_DTYPE, ep, **call, num_tokens=128, global_scale=0.5)
+    with pytest.raises(ValueError, match=r"unknown fields \['bogus'\]"):
+        params.launch_record(params.DISPATCH_PARAMS_DTYPE, ep, **call, num_tokens=1, global_scale=1, phases=1, bogus=1)
     arg = params.kernel_argument(rec)
     assert isinstance(arg, np.void) and arg.dtype.itemsize == params.DISPATCH_PARAMS_DTYPE.itemsize
     assert arg.tobytes() == rec.tobytes()
