@@ -13,7 +13,7 @@ SMALL_BATCH_MAX_CHOICES = 8192  # small_batch_tokens x top_k: block 0's bookkeep
 SMALL_BATCH_MAX_EXPERTS = 1024  # n_experts: a token mask per expert in shared memory
 SMALL_BATCH_MAX_MASK_BYTES = 65536  # n_experts x ceil(small_batch_tokens / 32) x 4: those token masks
 COMBINE_DTYPES = {"bfloat16": 2, "float32": 4}
-NOTIFY_RANGES = 256  # ep/params.cuh kNotifyRanges: a large dispatch round's notify numbers messages in this many token ranges
+NOTIFY_RANGES = 256  # kNotifyRanges (ep/params.cuh): a large dispatch round numbers messages in this many token ranges
 COMBINE_POLL_TOKENS = 256  # tokens 0..255 of a bf16 partial-sum round in parity slots: the receiver polls the data
 
 
