@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .config import EPConfig
-from .group import Group
+from .group import EPError, Group  # EPError lives with the group (the lower module), which raises it too
 from .params import ep_params
 
 log = logging.getLogger("cuep")
@@ -32,10 +32,6 @@ MAX_TOP_K = 32  # one warp lane per top-k choice
 EMPTY = np.uint64(0xFFFFFFFFFFFFFFFF)
 ERROR_STATUS = {1: "timed out waiting", 2: "expert id out of range", 3: "same expert twice in one token's top-k"}
 KERNEL_NAMES = {1: "dispatch (send)", 2: "dispatch (receive)", 3: "combine (send)", 4: "combine (receive)"}
-
-
-class EPError(RuntimeError):
-    """A device-side failure of a dispatch/combine round (timeout or bad routing input)."""
 
 
 @dataclass
@@ -120,12 +116,15 @@ class Buffer:
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float, np.integer, np.floating)) \
                 or not (timeout_s > 0 and math.isfinite(timeout_s)):
             raise ValueError(f"timeout_s={timeout_s!r} must be a positive number of seconds")
+        if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, (int, np.integer))):
+            raise ValueError(f"num_sms={num_sms!r} must be an int (blocks per kernel) or None (every SM)")
         self.group, self.cfg, self.timeout_s = group, cfg, float(timeout_s)
         self._launch_cache: dict = {}  # launch shapes per kernel family, computed once (device queries are slow)
         self._ranks: list[_Rank] = []
         self._mapped: list[int] = []
         self._bases: list[int] = []
         self._launched: set[str] = set()  # kernel files launched on this buffer (ep._before_launch)
+        self._rounds = {"dispatches": 0, "pending": None}  # the order of round halves (ep.py, _check_nothing_pending)
         theirs = group.allgather(repr(cfg).encode())  # symmetric offsets need the same cfg on every rank
         odd = [r for r, c in enumerate(theirs) if c != theirs[0]]
         if odd:
@@ -253,12 +252,15 @@ class Buffer:
                     rt.memset(r.base + off, 0xFF, size)
                 cupy.cuda.Device().synchronize()
             r.err_host[:] = 0
+        self._rounds["pending"] = None  # a half left pending by a failed round is gone with it
         self.group.barrier()
+        self._host_error = None  # every rank is re-armed: rounds may run again (see check)
 
     def check(self) -> None:
-        """Raise :class:`EPError` if a kernel of any local rank reported a failure (reads host-mapped memory; no
-        synchronisation, so it sees failures of kernels that have already run). Raises ``RuntimeError`` after
-        :meth:`close`."""
+        """Raise :class:`EPError` if a round failed and :meth:`reset` has not run since: a kernel of a local rank
+        reported a failure (reads host-mapped memory; no synchronisation, so it sees failures of kernels that
+        have already run), or a host-side barrier of a round failed (one process per rank: a peer died or did not
+        arrive; :class:`EPError` names it). Raises ``RuntimeError`` after :meth:`close`."""
         self._check_open()
         for r in self._ranks:
             status, kernel, expert, src = (int(v) for v in r.err_host)
@@ -268,26 +270,34 @@ class Buffer:
                     whom = f"source/peer rank {src}" if src >= 0 else "data from a peer"
                     detail = (f"rank {r.rank} {KERNEL_NAMES.get(kernel, kernel)} {what} for {whom} "
                               f"(after {self.timeout_s:g} s): a peer did not take part in this round, or died")
+                    at_fault, reason = (src if src >= 0 else None), "timeout"
                 else:
                     detail = (f"rank {r.rank} {KERNEL_NAMES.get(kernel, kernel)}: {what} (expert id {expert}, "
                               f"token {src}); that choice was skipped")
-                raise EPError(f"{detail}. Call buffer.reset() on every rank before the next round.")
+                    at_fault, reason = None, "invalid"
+                raise EPError(f"{detail}. Call buffer.reset() on every rank before the next round.", rank=at_fault,
+                              reason=reason)
+        failed = getattr(self, "_host_error", None)  # set by ep._before_launch when a round's barrier failed
+        if failed is not None:
+            raise EPError(f"rank {self.group.ranks[0]}: a round on this buffer failed ({failed}); call buffer.reset() "
+                          f"on every rank before the next round", ranks=failed.ranks, reason=failed.reason)
 
     def synchronize(self) -> None:
-        """Wait for every local rank's device, then :meth:`check`."""
+        """Wait for every local rank's device (all its streams: CuPy's current one, and torch's current one, which
+        calls with torch tensors launch on), then :meth:`check`."""
         import cupy
 
         self._check_open()
-        for r in self._ranks:
-            with cupy.cuda.Device(r.device):
-                cupy.cuda.get_current_stream().synchronize()
+        for dev in dict.fromkeys(r.device for r in self._ranks):
+            cupy.cuda.Device(dev).synchronize()
         self.check()
 
     def close(self) -> None:
         """Unmap the peers' memory (IPC handles), free this process's (also at exit and garbage collection).
 
-        Not collective. With one process per rank, close after the last round has completed on every rank
-        (e.g. after a ``group.barrier()``): a peer still running a round would write into freed memory.
+        Not collective, and it never waits for a peer, so a rank whose peer died closes too. With one process per
+        rank, close after the last round has completed on every rank (e.g. after a ``group.barrier()``): a peer
+        still running a round would write into freed memory.
         Arrays that still reference the buffer's outputs keep that device memory alive.
         """
         import cupy
@@ -297,6 +307,12 @@ class Buffer:
         if hook is not None:
             atexit.unregister(hook)
         bases, self._bases = getattr(self, "_bases", []), []
+        for r in getattr(self, "_ranks", []):  # this rank's kernels (bounded waits) end before their memory goes
+            try:
+                with cupy.cuda.Device(r.device):
+                    cupy.cuda.Device().synchronize()
+            except Exception:  # noqa: BLE001 (a failed device: free what can be freed)
+                pass
         try:
             if bases:
                 self.group.release_buffers(bases)

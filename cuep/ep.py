@@ -25,6 +25,7 @@ import numpy as np
 
 from . import _kernels
 from .buffer import Buffer
+from .interop import torch_aware
 from .params import COMBINE_PARAMS_DTYPE, DISPATCH_PARAMS_DTYPE, kernel_argument, launch_record, pointer
 from .formats import GLOBAL_SCALE_MAX, GLOBAL_SCALE_MIN
 
@@ -50,6 +51,8 @@ class Dispatched:
         scales_offsets: uint32 [n_groups] for nvfp4/mxfp4 (group g's first scale tile is
             row_offsets[g] // 128 + scales_offsets[g]), else None.
         rank: the rank this result belongs to; num_tokens: tokens it dispatched.
+
+    A dispatch with torch tensors gives torch views of the same arrays (uint32 ones as int32): :mod:`cuep.interop`.
     """
 
     tokens: object
@@ -63,6 +66,8 @@ class Dispatched:
     _topk_ids: object = field(default=None, repr=False)
     _has_weights: bool = field(default=False, repr=False)
     _buffer: Buffer | None = field(default=None, repr=False)
+    _seq: int = field(default=0, repr=False)  # which dispatch of its buffer made it (1, 2, ...): see _rounds
+    _torch: bool = field(default=False, repr=False)  # made by a torch call: the fields above are torch views
 
 
 def _as_list(v, n: int, name: str) -> list:
@@ -83,14 +88,39 @@ def _check_buffer(buf, call: str) -> None:
     buf._check_open()
 
 
+# ---- the order of round halves (host-side state, checked before any launch) --------------------------------------
+# A buffer runs one round half at a time. ``buf._rounds`` holds "dispatches" (how many dispatches this buffer has
+# launched; each Dispatched keeps its number in ``_seq``) and "pending": None, ("dispatch", seq) after dispatch_async,
+# or ("combine", seq, modes, expert_out addresses) after combine_async. The rules:
+#   * dispatch, dispatch_async, combine and combine_async need nothing pending;
+#   * dispatch_wait needs the pending dispatch_async and takes exactly its results;
+#   * combine_wait needs the pending combine_async, on the same dispatched results, expert_out arrays and weights mode;
+#   * combine / combine_async take the results of this buffer's latest dispatch (earlier ones were overwritten);
+#   * buf.reset() forgets a pending half (after an error).
+# Without these a wrong order would launch a receive that waits, on the device, for a send that never comes.
+def _pending_name(p) -> str:
+    return ("a dispatch_async (finish it with cuep.dispatch_wait(pending))" if p[0] == "dispatch" else
+            "a combine_async (finish it with cuep.combine_wait(buf, expert_out, dispatched, ...), same arguments)")
+
+
+def _check_nothing_pending(buf: Buffer, call: str) -> None:
+    p = buf._rounds["pending"]
+    if p is not None:
+        raise RuntimeError(f"{call}: {_pending_name(p)} is still pending on this buffer; a buffer runs one round "
+                           f"half at a time (use a second cuep.Buffer to overlap rounds; after an error, "
+                           f"buf.reset() clears it)")
+
+
 def _dtype_names(dtypes) -> str:
     return " or ".join(str(np.dtype(d)) for d in dtypes)
 
 
-def _check_array(a, name: str, device: int, dtypes, ndim: int, layout: str = "", hint: str = ""):
-    """Type, device, ndim, dtype and C-contiguity of one rank's CuPy array; every message names ``name``, what was
-    expected, what was given and what to do. ``layout`` (e.g. ``"[N, H]"``) describes the axes; ``hint`` is
-    appended to the dtype message (where the expected dtype comes from)."""
+def _check_array(a, name: str, device: int, dtypes, ndim: int, layout: str = "", hint: str = "", align: int = 16):
+    """Type, device, ndim, dtype, C-contiguity and alignment of one rank's CuPy array; every message names ``name``,
+    what was expected, what was given and what to do. ``layout`` (e.g. ``"[N, H]"``) describes the axes; ``hint`` is
+    appended to the dtype message (where the expected dtype comes from); ``align``: the bytes the start address
+    must be a multiple of (16 for rows the kernels move with 16-byte vectors, 4 for int32/float32 read one by one;
+    a misaligned address would be a fatal device fault, not an exception)."""
     import cupy
 
     if isinstance(a, np.ndarray):
@@ -110,6 +140,9 @@ def _check_array(a, name: str, device: int, dtypes, ndim: int, layout: str = "",
                         f"(convert with .astype(...))")
     if not a.flags.c_contiguous:
         raise ValueError(f"{name} must be C-contiguous, got strides {a.strides} (use cupy.ascontiguousarray)")
+    if a.size and a.data.ptr % align:
+        raise ValueError(f"{name} starts at address {a.data.ptr:#x}, not on a {align}-byte boundary (the kernels "
+                         f"read it with {align}-byte loads): pass a fresh array, e.g. {name.split('[')[0]}.copy()")
 
 
 @functools.lru_cache(maxsize=1)
@@ -135,19 +168,31 @@ def _before_launch(buf: Buffer, source: str) -> None:
       rank has, so this phase never waits on a peer phase that is still queued behind another process's kernel.
     * otherwise, the first launch from ``source`` on this buffer: a barrier after compiling, so that no rank's
       bounded device-side wait runs out while a peer is still compiling the same kernels.
+
+    The first barrier for ``source`` waits as long as the rendezvous does (a peer may still be compiling); the
+    later ones are part of a round and bounded by ``buf.timeout_s``, like the device-side waits. A failed barrier
+    (a peer died or did not arrive: :class:`cuep.EPError` naming it) marks the buffer failed: it refuses rounds
+    until ``buf.reset()`` (:meth:`cuep.Buffer.check`).
     """
+    from .group import EPError
+
     group = buf.group
     if group.kind != "ipc":
+        return
+    first = source not in buf._launched
+    if not (group.phase_barrier or first):
         return
     if group.phase_barrier:
         import cupy
 
         with cupy.cuda.Device(group.devices[0]):
             cupy.cuda.get_current_stream().synchronize()
-        group.barrier()
-    elif source not in buf._launched:
-        buf._launched.add(source)
-        group.barrier()
+    buf._launched.add(source)
+    try:
+        group.barrier(None if first else buf.timeout_s)
+    except EPError as e:
+        buf._host_error = e
+        raise
 
 
 def _dispatch_launch(buf: Buffer, staged: bool) -> tuple[int, int]:
@@ -251,12 +296,12 @@ def _validate_dispatch(buf, xs, ids, ws, global_scale):
             raise ValueError(f"x{tag} has {n} tokens (shape {xs[i].shape}), more than cfg.max_tokens_per_rank="
                              f"{cfg.max_tokens_per_rank}: split the batch, or build the Buffer with a larger "
                              f"max_tokens_per_rank")
-        _check_array(ids[i], f"topk_ids{tag}", r.device, (np.dtype(np.int32),), 2, "[N, top_k]")
+        _check_array(ids[i], f"topk_ids{tag}", r.device, (np.dtype(np.int32),), 2, "[N, top_k]", align=4)
         if ids[i].shape != (n, cfg.top_k):
             raise ValueError(f"topk_ids{tag} has shape {ids[i].shape}; expected ({n}, {cfg.top_k}) = "
                              f"(tokens of x{tag}, top_k)")
         if ws[i] is not None:
-            _check_array(ws[i], f"topk_weights{tag}", r.device, (np.dtype(np.float32),), 2, "[N, top_k]")
+            _check_array(ws[i], f"topk_weights{tag}", r.device, (np.dtype(np.float32),), 2, "[N, top_k]", align=4)
             if ws[i].shape != (n, cfg.top_k):
                 raise ValueError(f"topk_weights{tag} has shape {ws[i].shape}; expected ({n}, {cfg.top_k}) = "
                                  f"(tokens of x{tag}, top_k)")
@@ -287,12 +332,14 @@ def _validate_ids(buf: Buffer, ids: list) -> None:
 def _dispatch(buf: Buffer, x, topk_ids, topk_weights, global_scale: float, phases: int, validate: bool = False):
     import cupy
 
+    call = "cuep.dispatch" if phases & PHASE_RECV else "cuep.dispatch_async"
     _check_buffer(buf, "cuep.dispatch")
     buf.check()
     n = len(buf._ranks)
     xs, ids = _as_list(x, n, "x"), _as_list(topk_ids, n, "topk_ids")
     ws = _as_list(topk_weights, n, "topk_weights") if topk_weights is not None else [None] * n
     _validate_dispatch(buf, xs, ids, ws, global_scale)
+    _check_nothing_pending(buf, call)
     if validate:
         _validate_ids(buf, ids)
     cfg = buf.cfg
@@ -314,9 +361,16 @@ def _dispatch(buf: Buffer, x, topk_ids, topk_weights, global_scale: float, phase
             _launch(fn, buf, threads, smem, DISPATCH_PARAMS_DTYPE, r.params, x=pointer(xs[i]),
                     topk_ids=pointer(ids[i]), topk_weights=pointer(ws[i]), num_tokens=xs[i].shape[0],
                     global_scale=global_scale, phases=ph | local_x, **_dispatch_outputs(r))
+    rounds = buf._rounds
+    rounds["dispatches"] += 1
+    for d in results:
+        d._seq = rounds["dispatches"]
+    if not phases & PHASE_RECV:
+        rounds["pending"] = ("dispatch", rounds["dispatches"])
     return results
 
 
+@torch_aware
 def dispatch(buf: Buffer, x, topk_ids, topk_weights=None, *, global_scale: float = 1.0, validate: bool = False):
     """Send every token to the ranks of its top-k experts and lay them out expert-major (one launch per rank).
 
@@ -333,20 +387,36 @@ def dispatch(buf: Buffer, x, topk_ids, topk_weights=None, *, global_scale: float
 
     Returns:
         list of :class:`Dispatched`, one per local rank (a single one if ``x`` was a bare array).
+
+    Raises ``RuntimeError`` before any launch while a :func:`dispatch_async` or :func:`combine_async` on ``buf``
+    awaits its wait half. ``x`` must start on a 16-byte boundary, ``topk_ids`` / ``topk_weights`` on a 4-byte one
+    (any fresh CuPy or torch allocation does; ``ValueError`` otherwise).
     """
     res = _dispatch(buf, x, topk_ids, topk_weights, global_scale, PHASE_NOTIFY | PHASE_SEND | PHASE_RECV, validate)
     return res if isinstance(x, (list, tuple)) else res[0]
 
 
+@torch_aware
 def dispatch_async(buf: Buffer, x, topk_ids, topk_weights=None, *, global_scale: float = 1.0,
                    validate: bool = False):
-    """The send half of :func:`dispatch`: returns at once; pass the result to :func:`dispatch_wait`."""
+    """The send half of :func:`dispatch`: returns at once; pass the result to :func:`dispatch_wait`.
+
+    Order (checked on the host before any launch, ``RuntimeError`` otherwise): nothing may be pending on ``buf``
+    (no dispatch_async without its dispatch_wait, no combine_async without its combine_wait), and nothing but
+    :func:`dispatch_wait` may run on ``buf`` until it has been called (``buf.reset()`` forgets the pending half).
+    """
     res = _dispatch(buf, x, topk_ids, topk_weights, global_scale, PHASE_NOTIFY | PHASE_SEND, validate)
     return res if isinstance(x, (list, tuple)) else res[0]
 
 
+@torch_aware
 def dispatch_wait(pending):
-    """The receive half: waits (on the device, bounded) for every source and builds the outputs."""
+    """The receive half: waits (on the device, bounded) for every source and builds the outputs.
+
+    Takes exactly what the pending :func:`dispatch_async` returned, once (``RuntimeError`` when no dispatch_async
+    is pending, e.g. a second dispatch_wait or the results of a synchronous dispatch; ``ValueError`` for an earlier
+    dispatch's results). Returns ``pending``, now valid for :func:`combine`.
+    """
     import cupy
 
     items = list(pending) if isinstance(pending, (list, tuple)) else [pending]
@@ -365,6 +435,14 @@ def dispatch_wait(pending):
     if missing or len(items) != len(buf._ranks):
         raise ValueError(f"dispatch_wait got results for rank(s) {[d.rank for d in items]}; this process drives "
                          f"rank(s) {[r.rank for r in buf._ranks]}: pass the whole list dispatch_async returned")
+    p = buf._rounds["pending"]
+    if p is None or p[0] != "dispatch":
+        now = "nothing is pending" if p is None else f"{_pending_name(p)} is pending"
+        raise RuntimeError(f"cuep.dispatch_wait: no dispatch_async is pending on this buffer ({now}): call it once "
+                           f"per dispatch_async, on what dispatch_async returned (not on dispatch's results)")
+    if any(d._seq != p[1] for d in items):
+        raise ValueError("dispatch_wait got the results of an earlier dispatch; pass what the pending "
+                         "dispatch_async returned")
     cfg = buf.cfg
     threads, smem = _dispatch_launch(buf, staged=False)
     for i, ph in _launch_order(buf, PHASE_RECV):
@@ -375,14 +453,28 @@ def dispatch_wait(pending):
             _before_launch(buf, "dispatch.cu")
             _launch(fn, buf, threads, smem, DISPATCH_PARAMS_DTYPE, r.params, x=0, topk_ids=0, topk_weights=0,
                     num_tokens=d.num_tokens, global_scale=1.0, phases=ph, **_dispatch_outputs(r))
+    buf._rounds["pending"] = None
     return pending
+
+
+def _persistent_empty(shape: tuple, dtype):
+    """An output that lives as long as the buffer, from CuPy's default memory pool: never from the allocator of
+    the call (a torch call allocates from torch's caching allocator; under ``torch.cuda.graph`` capture that is the
+    graph's private pool, and the array would die with the graph)."""
+    import cupy
+
+    dtype = np.dtype(dtype)
+    return cupy.ndarray(shape, dtype, cupy.get_default_memory_pool().malloc(math.prod(shape) * dtype.itemsize))
 
 
 def _combine(buf: Buffer, expert_out, dispatched, topk_weights, residual, phases: int):
     import cupy
 
+    call = {PHASE_RECV: "cuep.combine_wait", PHASE_NOTIFY | PHASE_SEND: "cuep.combine_async"}.get(phases,
+                                                                                                 "cuep.combine")
     _check_buffer(buf, "cuep.combine")
     buf.check()
+    rounds = buf._rounds
     cfg = buf.cfg
     n = len(buf._ranks)
     ds = _as_list(dispatched, n, "dispatched")
@@ -403,6 +495,9 @@ def _combine(buf: Buffer, expert_out, dispatched, topk_weights, residual, phases
         if d.rank != r.rank:
             raise ValueError(f"dispatched{tag} is the result of rank {d.rank}; pass the list dispatch returned, in "
                              f"its order (entry i belongs to local rank i)")
+        if d._seq != rounds["dispatches"]:
+            raise ValueError(f"dispatched{tag} is the result of an earlier dispatch on this buffer, whose outputs the "
+                             f"latest dispatch overwrote: combine the latest dispatch's results")
         where = f"cfg.combine_dtype={cfg.combine_dtype!r}"
         _check_array(eos[i], f"expert_out{tag}", r.device, (cdt,), 2, "[capacity, H]", f"({where})")
         if eos[i].shape[0] < cfg.capacity or eos[i].shape[1] != cfg.hidden:
@@ -411,7 +506,7 @@ def _combine(buf: Buffer, expert_out, dispatched, topk_weights, residual, phases
                              f"allocate cfg.capacity rows")
         N = d.num_tokens
         if ws[i] is not None:
-            _check_array(ws[i], f"topk_weights{tag}", r.device, (np.dtype(np.float32),), 2, "[N, top_k]")
+            _check_array(ws[i], f"topk_weights{tag}", r.device, (np.dtype(np.float32),), 2, "[N, top_k]", align=4)
             if ws[i].shape != (N, cfg.top_k):
                 raise ValueError(f"topk_weights{tag} has shape {ws[i].shape}; expected ({N}, {cfg.top_k}) = "
                                  f"(tokens dispatched by rank {r.rank}, top_k)")
@@ -430,14 +525,28 @@ def _combine(buf: Buffer, expert_out, dispatched, topk_weights, residual, phases
             T, H, K = cfg.max_tokens_per_rank, cfg.hidden, cfg.top_k
             if mode == MODE_UNREDUCED:
                 if r.combined_unreduced is None:
-                    r.combined_unreduced = cupy.empty((T, K + int(cfg.fused_shared_expert), H), dtype=cdt)
+                    r.combined_unreduced = _persistent_empty((T, K + int(cfg.fused_shared_expert), H), cdt)
                 out = r.combined_unreduced[:N]
             else:
                 if r.combined is None:
-                    r.combined = cupy.empty((T, H), dtype=cdt)
+                    r.combined = _persistent_empty((T, H), cdt)
                 out = r.combined[:N]
         outs.append(out)
         modes.append(mode)
+    p = rounds["pending"]  # the order of halves, once the arguments are known to be right
+    if phases != PHASE_RECV:
+        _check_nothing_pending(buf, call)
+    else:
+        if p is None or p[0] != "combine":
+            now = "nothing is pending" if p is None else f"{_pending_name(p)} is pending"
+            raise RuntimeError(f"cuep.combine_wait: no combine_async is pending on this buffer ({now}): call "
+                               f"combine_async first, then combine_wait once with the same arguments")
+        if modes != p[2]:
+            raise ValueError(f"{call}: topk_weights were given to one of combine_async and combine_wait but not to "
+                             f"the other: pass combine_wait the same arguments as combine_async")
+        if [pointer(e) for e in eos] != p[3]:
+            raise ValueError(f"{call}: expert_out is not the array(s) given to combine_async (the receive reads "
+                             f"them too): pass combine_wait the same arguments as combine_async")
     suffix = "bf16" if cfg.combine_dtype == "bfloat16" else "f32"
     for i, ph in _launch_order(buf, phases):
         r, d = buf._ranks[i], ds[i]
@@ -451,16 +560,21 @@ def _combine(buf: Buffer, expert_out, dispatched, topk_weights, residual, phases
                     msg_count=pointer(r.msg_count), row_offsets=pointer(r.row_offsets),
                     topk_ids=pointer(d._topk_ids), topk_weights=pointer(ws[i]), residual=pointer(res[i]),
                     out=pointer(outs[i]), num_tokens=d.num_tokens, mode=modes[i], phases=ph)
+    # combine_async leaves its half pending (with what its receive must see again); combine_wait finishes it
+    rounds["pending"] = ("combine", rounds["dispatches"], modes, [pointer(e) for e in eos]) \
+        if phases == PHASE_NOTIFY | PHASE_SEND else None
     return outs
 
 
+@torch_aware
 def combine(buf: Buffer, expert_out, dispatched, topk_weights=None, *, residual=None):
     """Send expert outputs back to their tokens' ranks and sum them (one launch per rank).
 
     Args:
         expert_out: per local rank, [capacity, H] in the combine dtype: row i is the expert output of dispatched
             row i (rows past ``row_offsets[-1]`` are not read).
-        dispatched: the list :func:`dispatch` returned.
+        dispatched: the list :func:`dispatch` returned (this buffer's latest dispatch; with :func:`dispatch_async`,
+            after :func:`dispatch_wait`).
         topk_weights: per local rank, float32 [N, K]. None: use the weights given at dispatch, or, if none were
             given there, return the unreduced [N, K, H] (shared expert in slot K when fused).
         residual: per local rank, [N, H] in the combine dtype, added to the reduced output (epilogue).
@@ -473,12 +587,22 @@ def combine(buf: Buffer, expert_out, dispatched, topk_weights=None, *, residual=
     return outs if isinstance(dispatched, (list, tuple)) else outs[0]
 
 
+@torch_aware
 def combine_async(buf: Buffer, expert_out, dispatched, topk_weights=None, *, residual=None):
-    """The send half of :func:`combine`; :func:`combine_wait` with the same arguments finishes it."""
+    """The send half of :func:`combine`; :func:`combine_wait` with the same arguments finishes it.
+
+    Nothing may be pending on ``buf`` (``RuntimeError``), and ``dispatched`` must be the results of its latest
+    dispatch (``ValueError``); until :func:`combine_wait`, nothing else may run on ``buf``.
+    """
     _combine(buf, expert_out, dispatched, topk_weights, residual, PHASE_NOTIFY | PHASE_SEND)
 
 
+@torch_aware
 def combine_wait(buf: Buffer, expert_out, dispatched, topk_weights=None, *, residual=None):
-    """The receive half of :func:`combine`: waits for every rank and returns the summed outputs."""
+    """The receive half of :func:`combine`: waits for every rank and returns the summed outputs.
+
+    Needs the pending :func:`combine_async` (``RuntimeError`` otherwise: combine_wait without combine_async, or
+    twice) and the same ``dispatched``, ``expert_out`` arrays and ``topk_weights`` (given or not) (``ValueError``).
+    """
     outs = _combine(buf, expert_out, dispatched, topk_weights, residual, PHASE_RECV)
     return outs if isinstance(dispatched, (list, tuple)) else outs[0]

@@ -17,21 +17,60 @@ Rendezvous (how the processes of an IPC group find each other and swap their 64-
 * started by mpirun (``OMPI_COMM_WORLD_*`` or ``PMI_*`` set, no torchrun variables): ``mpi4py``'s
   ``allgather``, as established EP libraries do. It needs an MPI runtime and mpi4py, which a machine started
   through mpirun has.
+* an initialised ``torch.distributed`` (torch already imported by the script, ``init_process_group`` called):
+  its rank, world size and key-value store (:class:`_TorchStore`, keys under ``cuep/``); cuep then listens on no
+  port of its own. cuep never imports torch itself.
 * otherwise the torchrun variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``)
-  and :class:`_Store`, a small TCP all-gather written with the standard library (``socket`` + ``struct``), so
-  ``python -m cuep.run`` needs nothing installed. ``cupyx.distributed`` has a store too, but it is private API;
-  torch's ``TCPStore`` would make torch a dependency.
+  and :class:`_Store`, a small TCP all-gather written with the standard library (``socket`` + ``selectors``), so
+  ``python -m cuep.run`` needs nothing installed. ``cupyx.distributed`` has a store too, but it is private API.
+
+Faults: every collective is bounded. A rank that dies (its connection closes) or does not arrive within the
+timeout is named in a :class:`EPError` on every rank (``.rank``, ``.reason``). After a timeout the group goes on:
+the failed collective is spent on every rank (one that arrives late gets the same error), so the ranks are in step
+again once each has seen it (``Buffer.reset()`` on every rank). After a death every later collective raises at once.
 """
 from __future__ import annotations
 
+import atexit
+import functools
 import json
+import logging
 import os
+import selectors
 import socket
 import struct
+import sys
 import time
+import weakref
 from dataclasses import dataclass, field
 
 MAX_RANKS = 8
+log = logging.getLogger("cuep")
+
+
+class EPError(RuntimeError):
+    """A failed dispatch/combine round or collective: a device-side timeout, bad routing input, or a peer process
+    that died or did not arrive at a host-side barrier.
+
+    Attributes:
+        rank: the rank at fault (the one that died, did not arrive, or was waited for on the device); None when
+            no peer is at fault (bad routing input).
+        ranks: every rank at fault (several can miss one barrier).
+        reason: ``"died"`` (its process or connection is gone: the group cannot go on), ``"timeout"`` (did not
+            arrive in time: ``buf.reset()`` on every rank re-arms) or ``"invalid"`` (bad routing input).
+
+    A ``RuntimeError`` like the rest of cuep's runtime failures, deliberately not a ``TimeoutError``: that is an
+    ``OSError``, whose constructor gives a second argument errno meaning, and a death is no timeout.
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None, ranks=None, reason: str | None = None):
+        super().__init__(message)
+        self.ranks = tuple(ranks) if ranks is not None else ((rank,) if rank is not None else ())
+        self.rank = rank if rank is not None else (self.ranks[0] if self.ranks else None)
+        self.reason = reason
+
+    def __reduce__(self):  # keeps the attributes through pickling (multiprocessing, logging handlers)
+        return (functools.partial(EPError, rank=self.rank, ranks=self.ranks, reason=self.reason), self.args)
 
 
 @dataclass
@@ -68,21 +107,26 @@ class Group:
         return len(self.devices)
 
     # ---- the transport: what Buffer needs from the processes of the group -----------------------------------
-    def allgather(self, data: bytes) -> list[bytes]:
+    def allgather(self, data: bytes, timeout_s: float | None = None) -> list[bytes]:
         """Every process's ``data``, in process order (for kind ``"ipc"`` the index is the global rank).
 
         Collective: every process of the group must call it. Kind ``"local"`` has one process: ``[data]``.
+        ``timeout_s``: bound on the wait (default the rendezvous timeout of :func:`init_distributed`).
+
+        Raises:
+            EPError: a rank died or did not arrive within the timeout (named; see the module docstring).
         """
         if self.kind == "local":
             return [bytes(data)]
         self._check_open()
-        return self._comm.allgather(bytes(data))
+        return self._comm.allgather(bytes(data), timeout_s)
 
-    def barrier(self) -> None:
-        """Return once every process of the group has called it (kind ``"local"``: at once)."""
+    def barrier(self, timeout_s: float | None = None) -> None:
+        """Return once every process of the group has called it (kind ``"local"``: at once). Raises as
+        :meth:`allgather`."""
         if self.kind != "local":
             self._check_open()
-            self._comm.barrier()
+            self._comm.barrier(timeout_s)
 
     def share_buffers(self, mems: list) -> list[int]:
         """Base address of every rank's symmetric allocation as this process sees it (index = global rank).
@@ -127,19 +171,28 @@ class Group:
         return bases
 
     def release_buffers(self, bases: list[int]) -> None:
-        """Close the peer mappings :meth:`share_buffers` opened for ``bases`` (own memory is the caller's)."""
+        """Close the peer mappings :meth:`share_buffers` opened for ``bases`` (own memory is the caller's).
+
+        Not collective, and it never waits for a peer: a survivor of a dead rank releases its mappings too. Every
+        mapping is forgotten; one the driver fails to close (its exporter died, say) is logged, not raised.
+        """
         if not self._opened:
             return
         import cupy
 
         for ptr in bases:
             dev = self._opened.pop(int(ptr), None)
-            if dev is not None:
+            if dev is None:
+                continue
+            try:
                 with cupy.cuda.Device(dev):
                     cupy.cuda.runtime.ipcCloseMemHandle(int(ptr))
+            except Exception as e:  # noqa: BLE001 (closing the others matters more)
+                log.warning("cuep: closing the IPC mapping %#x on GPU %d failed: %s", int(ptr), dev, e)
 
     def close(self) -> None:
-        """Close every peer mapping still open and the rendezvous connections. Not collective; idempotent."""
+        """Close every peer mapping still open and the rendezvous connections. Not collective; idempotent; also
+        run at interpreter exit."""
         if self._closed:
             return
         self._closed = True
@@ -236,7 +289,7 @@ class _LaunchEnv:
     rank: int
     world_size: int
     local_rank: int
-    backend: str           # "tcp" (cuep's store) or "mpi" (mpi4py)
+    backend: str           # "tcp" (cuep's store), "mpi" (mpi4py) or "torch" (torch.distributed's store)
     addr: str | None = None
     port: int | None = None
 
@@ -307,36 +360,78 @@ def _default_device(local_rank: int, n_visible: int) -> int:
     return local_rank % n_visible
 
 
-def _connect(env: _LaunchEnv, timeout_s: float):
-    """The rendezvous of this process: a :class:`_Store` or an :class:`_MpiComm`."""
+def _torch_distributed():
+    """``torch.distributed`` when the script has imported torch and initialised a process group, else None.
+
+    cuep never imports torch: a script that has not imported it cannot have a process group.
+    """
+    torch = sys.modules.get("torch")
+    dist = getattr(torch, "distributed", None) if torch is not None else None
+    try:
+        return dist if dist is not None and dist.is_available() and dist.is_initialized() else None
+    except Exception:  # noqa: BLE001 (a half-imported or stubbed torch: use cuep's own rendezvous)
+        return None
+
+
+def _connect(env: _LaunchEnv, timeout_s: float, dist=None):
+    """The rendezvous of this process: a :class:`_TorchStore`, an :class:`_MpiComm` or a :class:`_Store`."""
+    if env.backend == "torch":
+        return _TorchStore(dist.distributed_c10d._get_default_store(), env.rank, env.world_size, timeout_s)
     if env.backend == "mpi":
         return _MpiComm(env)
     return _Store(env.rank, env.world_size, env.addr, env.port, timeout_s)
 
 
-def init_distributed(device: int | None = None, timeout_s: float = 60.0) -> Group:
+RENDEZVOUS = ("auto", "torch", "env")
+
+
+def init_distributed(device: int | None = None, timeout_s: float = 60.0, *, rendezvous: str = "auto") -> Group:
     """This process as one rank of a group of one process per GPU (buffers shared through CUDA IPC).
 
-    Collective: every process of the group calls it. Rank, group size and rendezvous come from the launcher's
-    environment (``python -m cuep.run``, torchrun or mpirun; see :func:`_launch_env`). The chosen device becomes
-    the current CUDA device of this process.
+    Collective: every process of the group calls it. The chosen device becomes the current CUDA device of this
+    process. Rank, group size and rendezvous come from:
+
+    * an initialised ``torch.distributed`` process group, when the script has imported torch and called
+      ``torch.distributed.init_process_group`` (any backend, e.g. gloo or nccl) before this: its rank, world size
+      and key-value store (keys under ``cuep/``; cuep opens no port). ``LOCAL_RANK`` (default the rank) picks the
+      device. A store cannot tell a dead rank from a slow one: a dead peer is named when the wait times out.
+    * otherwise the launcher's environment (``python -m cuep.run``, torchrun or mpirun; see :func:`_launch_env`):
+      cuep's own TCP store on ``MASTER_PORT`` (a dead peer is named at once), or mpi4py.
 
     Args:
         device: CUDA device of this rank; default ``LOCAL_RANK`` modulo the visible devices. More ranks than
             GPUs put several ranks on one GPU: every round then runs phase by phase with host barriers between
             (:attr:`Group.phase_barrier`), which is for tests only.
-        timeout_s: bound on every rendezvous step (connecting, all-gathers and barriers) of the TCP store; a rank
-            that does not show up within it is named in a ``TimeoutError`` (mpi4py has no timeouts).
+        timeout_s: bound on every rendezvous step (connecting, all-gathers and barriers; a round's own barriers
+            are bounded by its ``Buffer``'s ``timeout_s``); a rank that does not show up within it is named
+            (mpi4py has no timeouts). Use the same value on every rank.
+        rendezvous: ``"auto"`` (torch.distributed's store when initialised, else the environment), ``"torch"``
+            (require an initialised torch.distributed) or ``"env"`` (never torch's; cuep's store must then listen
+            on a port torch does not use: ``CUEP_STORE_PORT``).
 
     Returns:
-        ``Group(kind="ipc")`` with one local rank; its :meth:`Group.close` releases the rendezvous.
+        ``Group(kind="ipc")`` with one local rank; its :meth:`Group.close` (also run at exit) releases the IPC
+        mappings and the rendezvous.
 
     Raises:
         ValueError: a launcher variable missing or malformed (named), more than 8 ranks, an unknown device.
-        RuntimeError: no GPU, or ranks on different hosts (cuep's transport is NVLink within one node).
-        TimeoutError, ConnectionError: a rank that never showed up, or left.
+        RuntimeError: no GPU, ranks on different hosts (cuep's transport is NVLink within one node), or
+            ``rendezvous="torch"`` without an initialised torch.distributed.
+        TimeoutError: a rank that never connected to cuep's store (named).
+        EPError: a rank that died or did not arrive at an all-gather (named).
     """
-    env = _launch_env()
+    if rendezvous not in RENDEZVOUS:
+        raise ValueError(f"rendezvous={rendezvous!r} must be one of {', '.join(map(repr, RENDEZVOUS))}")
+    dist = _torch_distributed() if rendezvous != "env" else None
+    if rendezvous == "torch" and dist is None:
+        raise RuntimeError("rendezvous='torch' needs an initialised torch.distributed: import torch and call "
+                           "torch.distributed.init_process_group(...) before cuep.init_distributed")
+    if dist is not None:
+        rank = dist.get_rank()
+        local = _int_var(os.environ, "LOCAL_RANK") if "LOCAL_RANK" in os.environ else rank
+        env = _LaunchEnv(rank, dist.get_world_size(), local, "torch")
+    else:
+        env = _launch_env()
     if not (timeout_s > 0 and timeout_s < float("inf")):
         raise ValueError(f"timeout_s={timeout_s!r} must be a positive number of seconds")
     if env.world_size > MAX_RANKS:
@@ -349,7 +444,7 @@ def init_distributed(device: int | None = None, timeout_s: float = 60.0) -> Grou
         raise ValueError(f"device={dev} does not exist: {n_dev} GPU(s) are visible (ids 0..{n_dev - 1})")
     cupy.cuda.Device(dev).use()
     bus = cupy.cuda.runtime.deviceGetPCIBusId(dev)
-    comm = _connect(env, timeout_s)
+    comm = _connect(env, timeout_s, dist)
     try:
         me = json.dumps({"host": socket.gethostname(), "bus": bus.lower(), "device": dev}).encode()
         peers = [json.loads(b) for b in comm.allgather(me)]
@@ -361,8 +456,19 @@ def init_distributed(device: int | None = None, timeout_s: float = 60.0) -> Grou
     except BaseException:
         comm.close()
         raise
-    return Group(devices=[dev], ranks=[env.rank], n_ranks=env.world_size, kind="ipc",
-                 phase_barrier=len(set(gpus)) < len(gpus), _comm=comm)
+    group = Group(devices=[dev], ranks=[env.rank], n_ranks=env.world_size, kind="ipc",
+                  phase_barrier=len(set(gpus)) < len(gpus), _comm=comm)
+    atexit.register(_close_group_at_exit, weakref.ref(group))  # a weak reference: never keeps a group alive
+    return group
+
+
+def _close_group_at_exit(ref) -> None:
+    group = ref()
+    if group is not None:
+        try:
+            group.close()
+        except Exception:  # noqa: BLE001 (interpreter exit: nothing left to tell)
+            pass
 
 
 class _MpiComm:
@@ -381,10 +487,10 @@ class _MpiComm:
             raise RuntimeError(f"MPI says rank {self.comm.Get_rank()} of {self.comm.Get_size()}, the environment "
                                f"rank {env.rank} of {env.world_size}")
 
-    def allgather(self, data: bytes) -> list[bytes]:
-        return [bytes(b) for b in self.comm.allgather(bytes(data))]
+    def allgather(self, data: bytes, timeout_s: float | None = None) -> list[bytes]:
+        return [bytes(b) for b in self.comm.allgather(bytes(data))]  # MPI collectives have no timeout
 
-    def barrier(self) -> None:
+    def barrier(self, timeout_s: float | None = None) -> None:
         self.comm.Barrier()
 
     def close(self) -> None:
@@ -394,28 +500,57 @@ class _MpiComm:
 # ---- the TCP store -----------------------------------------------------------------------------------------
 _MAGIC = b"CUEP"
 _HELLO = struct.Struct("!4sII")   # magic, rank, world size (client -> rank 0), answered by _MAGIC
-_HEADER = struct.Struct("!IQ")    # collective sequence number, payload bytes
+_FRAME = struct.Struct("!BIQ")    # frame kind, collective sequence number (0: the group itself), payload bytes
 _LEN = struct.Struct("!Q")
+# frame kinds: a rank's data for a collective (-> rank 0); rank 0's answer with everybody's data; rank 0's verdict
+# that a collective failed (JSON: ranks, reason, detail, fatal); a rank that gave up waiting for rank 0 (-> rank 0)
+_DATA, _REPLY, _FAIL, _ABANDON = 1, 2, 3, 4
+
+
+def _verdict_grace(timeout_s: float) -> float:
+    """How much longer than ``timeout_s`` a rank waits for rank 0's verdict before it blames rank 0: rank 0 times a
+    collective from its own arrival, and the verdict naming the late rank must reach the others first."""
+    return min(max(0.5, 0.25 * timeout_s), 5.0)
+
+
+class _Torn(ConnectionError):
+    """A frame stopped midway: the byte stream is out of step for good."""
 
 
 class _Store:
     """All-gather and barrier among ``world_size`` processes over TCP; rank 0 serves, the others connect.
 
-    Rank 0 listens on ``addr:port`` and keeps one connection per peer. An all-gather is one message from every
-    peer to rank 0 and one reply with everybody's bytes (index = rank); a barrier is an all-gather of nothing.
-    Every step has a deadline (``timeout_s``): a rank that never connects, never reaches a collective, or closes
-    its connection is named in the error, and rank 0 then drops every connection so the others fail fast too.
-
+    Rank 0 listens on ``addr:port`` and keeps one connection per peer. An all-gather is one frame from every peer
+    to rank 0 and one reply with everybody's bytes (index = rank); a barrier is an all-gather of nothing.
     Collectives are numbered; every rank must call them in the same order (as with any collective).
+
+    Faults. Rank 0 waits on every peer at once (``selectors``), so the first to fail is the one named:
+
+    * a peer whose connection closes *died*: rank 0 sends every other peer a failure frame naming it, and from
+      then on every collective on every rank raises at once (the group cannot go on). Rank 0's own death is seen
+      by the others as its connection closing.
+    * a peer missing when rank 0's deadline passes did *not arrive*: rank 0 sends every peer (the late one too)
+      a failure frame for that collective. The collective is spent on every rank, and a rank that reaches it late
+      reads the same failure, so the ranks are in step for the next one.
+    * rank 0 itself late: a peer waits ``timeout_s`` plus :func:`_verdict_grace`, then tells rank 0 it gave up;
+      rank 0 fails that collective when it gets there, naming itself, as the peers did.
+
+    Every failure is a :class:`EPError` naming the rank(s) at fault (``.rank``, ``.ranks``, ``.reason``).
+    Connecting (the constructor) raises ``TimeoutError`` naming a rank that never connected.
     """
 
     def __init__(self, rank: int, world_size: int, addr: str, port: int, timeout_s: float = 60.0):
         self.rank, self.world_size, self.addr, self.port = rank, world_size, addr, port
         self.timeout_s = float(timeout_s)
         self._seq = 0
+        self._fatal: dict | None = None              # a failure that ended the group (a death)
+        self._closed = False
         self._listener = None
         self._peers: dict[int, socket.socket] = {}   # rank 0: rank -> connection
         self._server: socket.socket | None = None     # others: the connection to rank 0
+        self._sel: selectors.BaseSelector | None = None  # rank 0: the live peers' connections
+        self._inbox: dict[int, dict[int, bytes]] = {}    # rank 0: rank -> {seq: data} that came before rank 0
+        self._abandoned: dict[int, int] = {}             # rank 0: seq -> first rank that gave up waiting for it
         if world_size == 1:
             return
         try:
@@ -445,9 +580,12 @@ class _Store:
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = [r for r in range(1, self.world_size) if r not in self._peers]
-                raise TimeoutError(f"rank 0: rank{'s' if len(missing) > 1 else ''} {_ranks(missing)} never "
-                                   f"connected to {self.addr}:{self.port} within {self.timeout_s:g} s "
-                                   f"(WORLD_SIZE={self.world_size}; did every rank start?)")
+                detail = (f"rank{'s' if len(missing) > 1 else ''} {_ranks(missing)} never connected to "
+                          f"{self.addr}:{self.port} within {self.timeout_s:g} s (WORLD_SIZE={self.world_size}; "
+                          f"did every rank start?)")
+                # the ranks already connected learn whom the group is missing at their first collective
+                self._tell_all(_FAIL, 0, dict(ranks=missing, reason="timeout", detail=detail, fatal=True))
+                raise TimeoutError(f"rank 0: {detail}")
             lst.settimeout(left)
             try:
                 conn, _ = lst.accept()
@@ -455,7 +593,7 @@ class _Store:
                 continue
             try:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                magic, rank, world = _HELLO.unpack(_recv_exact(conn, _HELLO.size, deadline, "a hello"))
+                magic, rank, world = _HELLO.unpack(_recv_exact(conn, _HELLO.size, deadline))
             except (OSError, struct.error):
                 conn.close()
                 continue
@@ -473,6 +611,10 @@ class _Store:
             self._peers[rank] = conn
         lst.close()
         self._listener = None
+        self._sel = selectors.DefaultSelector()
+        for rank, conn in self._peers.items():
+            self._sel.register(conn, selectors.EVENT_READ, rank)
+            self._inbox[rank] = {}
 
     def _join(self) -> None:
         deadline = time.monotonic() + self.timeout_s
@@ -492,7 +634,11 @@ class _Store:
             try:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 conn.sendall(_HELLO.pack(_MAGIC, self.rank, self.world_size))
-                ack = _recv_exact(conn, len(_MAGIC), deadline, f"rank 0's answer at {where}")
+                ack = _recv_exact(conn, len(_MAGIC), deadline)
+            except TimeoutError:
+                conn.close()
+                raise TimeoutError(f"rank {self.rank}: rank 0's rendezvous at {where} did not answer within "
+                                   f"{self.timeout_s:g} s") from None
             except BaseException:
                 conn.close()
                 raise
@@ -504,63 +650,200 @@ class _Store:
             return
 
     # ---- collectives -------------------------------------------------------------------------------------------
-    def allgather(self, data: bytes) -> list[bytes]:
-        """Every rank's ``data`` (index = rank). Collective, bounded by ``timeout_s``."""
+    def allgather(self, data: bytes, timeout_s: float | None = None, what: str = "all-gather") -> list[bytes]:
+        """Every rank's ``data`` (index = rank). Collective, bounded by ``timeout_s`` (default the store's).
+
+        Raises:
+            EPError: a rank died or did not arrive in time (named; see the class docstring).
+        """
         data = bytes(data)
+        if self._closed:
+            raise RuntimeError(f"rank {self.rank}: this rendezvous was closed")
         self._seq += 1
         seq = self._seq
         if self.world_size == 1:
             return [data]
-        deadline = time.monotonic() + self.timeout_s
-        what = f"all-gather #{seq}"
-        try:
-            if self.rank == 0:
-                parts = [data]
-                for rank in range(1, self.world_size):
-                    conn = self._peers[rank]
-                    got_seq, n = _HEADER.unpack(_recv_exact(conn, _HEADER.size, deadline,
-                                                            f"rank {rank} to reach {what}", rank))
-                    if got_seq != seq:
-                        raise RuntimeError(f"rank {rank} is at all-gather #{got_seq}, rank 0 at #{seq}: the ranks "
-                                           f"called collectives in different orders")
-                    parts.append(_recv_exact(conn, n, deadline, f"rank {rank}'s data for {what}", rank))
-                reply = _HEADER.pack(seq, self.world_size) + b"".join(_LEN.pack(len(p)) + p for p in parts)
-                for rank in range(1, self.world_size):
-                    self._peers[rank].settimeout(max(1e-3, deadline - time.monotonic()))
-                    self._peers[rank].sendall(reply)
-                return parts
-            conn = self._server
-            conn.settimeout(max(1e-3, deadline - time.monotonic()))
-            conn.sendall(_HEADER.pack(seq, len(data)) + data)
-            got_seq, n = _HEADER.unpack(_recv_exact(conn, _HEADER.size, deadline, f"rank 0 to complete {what} "
-                                                    f"(a rank may be missing or slow)", 0))
-            if got_seq != seq or n != self.world_size:
-                raise RuntimeError(f"rank {self.rank}: rank 0 answered all-gather #{got_seq} to #{seq}")
-            parts = []
-            for _ in range(n):
-                (size,) = _LEN.unpack(_recv_exact(conn, _LEN.size, deadline, f"rank 0's reply to {what}", 0))
-                parts.append(_recv_exact(conn, size, deadline, f"rank 0's reply to {what}", 0))
-            return parts
-        except (TimeoutError, ConnectionError) as e:
-            self.close()  # peers blocked on this rank now see a closed connection instead of waiting out the clock
-            raise type(e)(f"rank {self.rank}: {e} (timeout_s={self.timeout_s:g})") from None
-        except BaseException:
-            self.close()
-            raise
+        what = f"{what} #{seq}"
+        if self._fatal is not None:
+            raise self._error(what, self._fatal)
+        t = self.timeout_s if timeout_s is None else float(timeout_s)
+        if not t > 0:
+            raise ValueError(f"timeout_s={timeout_s!r} must be a positive number of seconds")
+        failure = self._gather(seq, data, t) if self.rank == 0 else self._exchange(seq, data, t)
+        if isinstance(failure, list):
+            return failure
+        if failure.get("fatal"):
+            self._fatal = failure
+        raise self._error(what, failure)
 
-    def barrier(self) -> None:
-        """Return once every rank has called it. Collective, bounded by ``timeout_s``."""
-        self.allgather(b"")
+    def barrier(self, timeout_s: float | None = None) -> None:
+        """Return once every rank has called it. Collective, bounded like :meth:`allgather`."""
+        self.allgather(b"", timeout_s, "barrier")
+
+    def _error(self, what: str, failure: dict) -> EPError:
+        if failure.get("fatal"):
+            hint = "the group cannot go on: close the Buffer and the group"
+        else:
+            hint = ("the collective is spent on every rank (a rank that reaches it late gets this error too); "
+                    "call Buffer.reset() on every rank to go on")
+        return EPError(f"rank {self.rank}: {what} failed: {failure['detail']}; {hint}", ranks=failure["ranks"],
+                       reason=failure["reason"])
+
+    # rank 0 -------------------------------------------------------------------------------------------------------
+    def _gather(self, seq: int, data: bytes, t: float):
+        """Rank 0's side of collective ``seq``: everybody's data, or the failure (a dict) it told every peer."""
+        deadline = time.monotonic() + t
+        self._pump(0.0, seq)  # what the peers sent while rank 0 was elsewhere
+        while True:
+            failure = self._fatal or self._abandon_failure(seq, t)
+            if failure is not None:
+                break
+            missing = sorted(r for r in self._peers if seq not in self._inbox[r])
+            if not missing:
+                self._pump(0.0, seq)  # a peer that gave up on rank 0 just before it came: fail as that peer did
+                failure = self._fatal or self._abandon_failure(seq, t)
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                failure = dict(ranks=missing, reason="timeout", fatal=False,
+                               detail=f"rank{'s' if len(missing) > 1 else ''} {_ranks(missing)} did not reach it "
+                                      f"within {t:g} s (timeout_s={t:g}; hung, or too slow)")
+                break
+            self._pump(left, seq)
+        if failure is not None:
+            for inbox in self._inbox.values():  # the data of the ranks that did arrive is of no use now
+                inbox.pop(seq, None)
+            self._tell_all(_FAIL, seq, failure)
+            return failure
+        parts = [data] + [self._inbox[r].pop(seq) for r in range(1, self.world_size)]
+        body = b"".join(_LEN.pack(len(p)) + p for p in parts)
+        reply = _FRAME.pack(_REPLY, seq, len(body)) + body
+        for rank, conn in list(self._peers.items()):
+            try:
+                conn.settimeout(self.timeout_s)
+                conn.sendall(reply)
+            except OSError as e:  # gone after it arrived: the next collective fails, naming it
+                self._died(rank, f"rank {rank} closed its connection ({e})")
+        return parts
+
+    def _abandon_failure(self, seq: int, t: float) -> dict | None:
+        who = self._abandoned.pop(seq, None)
+        if who is None:
+            return None
+        return dict(ranks=[0], reason="timeout", fatal=False,
+                    detail=f"rank 0 did not reach it within {t:g} s (timeout_s={t:g}; rank {who} gave up waiting "
+                           f"for it; hung, or too slow)")
+
+    def _pump(self, wait_s: float, seq: int) -> None:
+        """Read the peers' frames: wait up to ``wait_s`` for the first, then take whatever else is there."""
+        while self._fatal is None:
+            events = self._sel.select(wait_s)
+            if not events:
+                return
+            wait_s = 0.0
+            for key, _ in events:
+                if self._fatal is None:
+                    self._read_peer(key.data, seq)
+
+    def _read_peer(self, rank: int, seq: int) -> None:
+        conn = self._peers[rank]
+        try:
+            kind, s, payload = _read_frame(conn, time.monotonic() + self.timeout_s, self.timeout_s)
+        except (OSError, TimeoutError) as e:
+            why = "a frame stopped midway" if isinstance(e, _Torn) else "its process exited or was killed"
+            self._died(rank, f"rank {rank} closed its connection ({why})")
+            return
+        if kind == _DATA:
+            if s >= seq:
+                self._inbox[rank][s] = payload
+            # else: a late arrival at a collective that failed; its failure frame is already on the way
+        elif kind == _ABANDON:
+            if s >= seq:
+                self._abandoned.setdefault(s, rank)
+        else:
+            self._died(rank, f"rank {rank} sent frame kind {kind}, which only rank 0 sends")
+
+    def _died(self, rank: int, detail: str) -> None:
+        if self._fatal is None:
+            self._fatal = dict(ranks=[rank], reason="died", fatal=True, detail=detail)
+        conn = self._peers.pop(rank, None)
+        if conn is not None:
+            self._sel.unregister(conn)
+            conn.close()
+
+    def _tell_all(self, kind: int, seq: int, failure: dict) -> None:
+        """Send every live peer a frame; a peer that cannot take it is past telling."""
+        payload = json.dumps(failure).encode()
+        frame = _FRAME.pack(kind, seq, len(payload)) + payload
+        for conn in list(self._peers.values()):
+            try:
+                conn.settimeout(2.0)
+                conn.sendall(frame)
+            except OSError:
+                pass
+
+    # the other ranks ----------------------------------------------------------------------------------------------
+    def _exchange(self, seq: int, data: bytes, t: float):
+        """A peer's side of collective ``seq``: everybody's data, or the failure (a dict)."""
+        conn = self._server
+        deadline = time.monotonic() + t + _verdict_grace(t)
+        gone = dict(ranks=[0], reason="died", fatal=True,
+                    detail="rank 0 closed its connection (its process exited or was killed)")
+        sent = True
+        try:
+            conn.settimeout(max(1e-3, deadline - time.monotonic()))
+            conn.sendall(_FRAME.pack(_DATA, seq, len(data)) + data)
+        except TimeoutError:  # part of the frame may be out: the stream is out of step for good
+            return dict(ranks=[0], reason="timeout", fatal=True,
+                        detail=f"rank 0 did not take this rank's {len(data)} bytes within {t:g} s")
+        except OSError:  # rank 0 is gone, but it may have left a verdict (naming the rank that died first)
+            sent, deadline = False, time.monotonic() + 1.0
+        while True:
+            try:
+                kind, s, payload = _read_frame(conn, deadline, self.timeout_s)
+            except TimeoutError:
+                if not sent:
+                    return gone
+                try:  # so that rank 0 fails this collective too when it gets there, naming itself as we do
+                    conn.settimeout(1.0)
+                    conn.sendall(_FRAME.pack(_ABANDON, seq, 0))
+                except OSError:
+                    pass
+                grace = _verdict_grace(t)
+                return dict(ranks=[0], reason="timeout", fatal=False,
+                            detail=f"rank 0 did not complete it within {t:g} s + {grace:g} s (timeout_s={t:g}; "
+                                   f"rank 0 hung, or too slow)")
+            except OSError:
+                return gone
+            if kind == _FAIL:
+                failure = json.loads(payload)
+                # 0: the group never formed; an older collective's failure matters only if it ended the group
+                if s in (0, seq) or failure.get("fatal"):
+                    return failure
+            if s < seq:
+                continue  # the answer to a collective this rank gave up on
+            if kind != _REPLY or s != seq:
+                return dict(ranks=[0], reason="died", fatal=True,
+                            detail=f"rank 0 answered collective #{s} (kind {kind}) to #{seq}: out of step")
+            parts, off = [], 0
+            for _ in range(self.world_size):
+                (size,) = _LEN.unpack_from(payload, off)
+                parts.append(payload[off + _LEN.size: off + _LEN.size + size])
+                off += _LEN.size + size
+            return parts
 
     def close(self) -> None:
-        """Drop every connection (idempotent). Ranks still waiting on this one get a ``ConnectionError``."""
+        """Drop every connection (idempotent). Peers then see this rank as gone (``reason="died"``)."""
+        self._closed = True
         for s in [self._listener, self._server, *self._peers.values()]:
             if s is not None:
                 try:
                     s.close()
                 except OSError:
                     pass
-        self._listener, self._server, self._peers = None, None, {}
+        if self._sel is not None:
+            self._sel.close()
+        self._listener, self._server, self._peers, self._sel = None, None, {}, None
 
     def __del__(self):
         try:
@@ -569,29 +852,114 @@ class _Store:
             pass
 
 
-def _recv_exact(conn: socket.socket, n: int, deadline: float, what: str, peer: int | None = None) -> bytes:
-    """Exactly ``n`` bytes before ``deadline``; a timeout or a closed connection names ``what`` was awaited."""
+def _read_frame(conn: socket.socket, deadline: float, patience: float) -> tuple[int, int, bytes]:
+    """The next frame (kind, seq, payload). ``TimeoutError`` if none began before ``deadline``; once one has, the
+    rest must follow within ``patience`` seconds (else :class:`_Torn`). ``ConnectionError``: the peer is gone."""
+    head = _recv_exact(conn, 1, deadline)
+    until = time.monotonic() + patience
+    try:
+        head += _recv_exact(conn, _FRAME.size - 1, until)
+        kind, seq, n = _FRAME.unpack(head)
+        return kind, seq, _recv_exact(conn, n, until)
+    except TimeoutError:
+        raise _Torn("a frame stopped midway") from None
+
+
+def _recv_exact(conn: socket.socket, n: int, deadline: float) -> bytes:
+    """Exactly ``n`` bytes before ``deadline`` (else ``TimeoutError``); ``ConnectionError`` if the peer closes."""
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise TimeoutError(f"timed out waiting for {what}")
+            raise TimeoutError("timed out")
         conn.settimeout(left)
         try:
             k = conn.recv_into(view[got:])
         except TimeoutError:
-            raise TimeoutError(f"timed out waiting for {what}") from None
+            raise TimeoutError("timed out") from None
         except OSError as e:
-            k, err = 0, e
-        else:
-            err = None
+            raise ConnectionError(f"connection lost: {e}") from None
         if k == 0:
-            who = f"rank {peer}" if peer is not None else "the peer"
-            raise ConnectionError(f"{who} closed its connection (exited or failed?) while waiting for {what}"
-                                  + (f": {err}" if err else ""))
+            raise ConnectionError("connection closed")
         got += k
     return bytes(buf)
+
+
+# ---- torch.distributed's store -------------------------------------------------------------------------------
+class _TorchStore:
+    """All-gather and barrier through the key-value store of an initialised ``torch.distributed`` process group
+    (``set`` / ``wait`` / ``get`` / ``check``; keys ``cuep/<collective>/<rank>``), so cuep listens on no port.
+
+    A store cannot tell a dead rank from a slow one: a rank whose key is missing when the wait times out is named
+    as not arriving (``reason="timeout"``). The rank that times out marks the collective failed
+    (``cuep/<collective>/failed``) and a rank that completes it afterwards raises the same error (best effort: one
+    that completes in the instant before the mark is set succeeds). Each rank deletes its key of collective q - 1
+    once it has completed q (every rank has read it then).
+    """
+
+    def __init__(self, store, rank: int, world_size: int, timeout_s: float = 60.0, prefix: str = "cuep/"):
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self.timeout_s, self.prefix = float(timeout_s), prefix
+        self._seq = 0
+        self._closed = False
+
+    def _key(self, seq: int, who) -> str:
+        return f"{self.prefix}{seq}/{who}"
+
+    def allgather(self, data: bytes, timeout_s: float | None = None, what: str = "all-gather") -> list[bytes]:
+        """Every rank's ``data`` (index = rank); raises :class:`EPError` naming the ranks that did not arrive."""
+        import datetime
+
+        data = bytes(data)
+        if self._closed:
+            raise RuntimeError(f"rank {self.rank}: this rendezvous was closed")
+        self._seq += 1
+        seq = self._seq
+        if self.world_size == 1:
+            return [data]
+        what = f"{what} #{seq}"
+        t = self.timeout_s if timeout_s is None else float(timeout_s)
+        keys = [self._key(seq, r) for r in range(self.world_size)]
+        failed = self._key(seq, "failed")
+        try:
+            self.store.set(keys[self.rank], b"\x01" + data)  # never empty: a present key always has a byte
+            try:
+                self.store.wait(keys, datetime.timedelta(seconds=t))
+            except Exception:  # noqa: BLE001 (torch raises a RuntimeError subclass on a timeout)
+                missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
+                if not missing:
+                    raise
+                failure = dict(ranks=missing, reason="timeout",
+                               detail=f"rank{'s' if len(missing) > 1 else ''} {_ranks(missing)} did not reach it "
+                                      f"within {t:g} s (timeout_s={t:g}; hung, died or too slow: torch's store "
+                                      f"cannot tell)")
+                self.store.set(failed, json.dumps(failure).encode())
+                raise self._error(what, failure) from None
+            parts = [bytes(self.store.get(k))[1:] for k in keys]
+            if self.store.check([failed]):
+                raise self._error(what, json.loads(bytes(self.store.get(failed))))
+        except EPError:
+            raise
+        except Exception as e:  # noqa: BLE001 (the store itself failed: its server may be gone)
+            raise EPError(f"rank {self.rank}: {what} failed: torch.distributed's store failed ({type(e).__name__}: "
+                          f"{e}); the process that serves it may have died", reason="died") from e
+        if seq > 1:
+            try:
+                self.store.delete_key(self._key(seq - 1, self.rank))
+            except Exception:  # noqa: BLE001 (a store without delete: the keys stay, harmless)
+                pass
+        return parts
+
+    def barrier(self, timeout_s: float | None = None) -> None:
+        self.allgather(b"", timeout_s, "barrier")
+
+    def _error(self, what: str, failure: dict) -> EPError:
+        return EPError(f"rank {self.rank}: {what} failed: {failure['detail']}; the collective is spent on every rank: "
+                       f"call Buffer.reset() on every rank to go on", ranks=failure["ranks"], reason=failure["reason"])
+
+    def close(self) -> None:
+        self._closed = True  # the store is torch's: it stays open
 
 
 def _ranks(ranks: list[int]) -> str:

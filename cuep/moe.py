@@ -28,6 +28,7 @@ from . import ops
 from . import reference
 from .config import EPConfig
 from .ep import _check_array, _check_buffer, combine, dispatch
+from .interop import as_cupy, is_torch_tensor, torch_aware
 from .formats import SCALE_TILE_BYTES, SCALE_TILE_COLS, SCALE_TILE_ROWS
 
 __all__ = ["MoEWeights", "init_weights", "route", "moe_forward", "moe_reference", "PHASES"]
@@ -42,7 +43,8 @@ PHASES = ("router", "dispatch", "experts", "combine")
 # ---- weights --------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class MoEWeights:
-    """One rank's share of the layer's weights (NumPy or CuPy arrays; :func:`init_weights` makes them).
+    """One rank's share of the layer's weights (NumPy or CuPy arrays, or torch CUDA tensors, held as zero-copy CuPy
+    views; :func:`init_weights` makes them).
 
     Attributes:
         w_gate_up: bfloat16 [G, H, 2I]: per held expert, the gate projection (columns 0 .. I-1) then the up
@@ -57,6 +59,9 @@ class MoEWeights:
     router: object
 
     def __post_init__(self) -> None:
+        for name in ("w_gate_up", "w_down", "router"):  # torch CUDA tensors are held as zero-copy CuPy views
+            if is_torch_tensor(getattr(self, name)):
+                object.__setattr__(self, name, as_cupy(getattr(self, name), name))
         g, h, i2 = _shape(self.w_gate_up, "w_gate_up", 3)
         if i2 % 2:
             raise ValueError(f"w_gate_up has shape {self.w_gate_up.shape}; its last axis must be 2I (gate | up)")
@@ -156,6 +161,7 @@ def init_weights(cfg: EPConfig, intermediate: int, seed: int = 0, devices=None, 
 
 
 # ---- router ---------------------------------------------------------------------------------------------------
+@torch_aware
 def route(x, router, top_k: int):
     """Softmax over the E router logits, top-k, weights renormalised to sum to 1 (NumPy or CuPy arrays).
 
@@ -169,10 +175,9 @@ def route(x, router, top_k: int):
         (``softmax(logits)[ids] / sum``), C-contiguous, on the same side as ``x``. Logits are a float32 GEMM.
     """
     import cupy
+    _check_route_args(x, router, top_k)
     xp = cupy.get_array_module(x)
-    n, e = x.shape[0], router.shape[1]
-    if not 1 <= top_k <= e:
-        raise ValueError(f"top_k={top_k} must be in [1, n_experts={e}]")
+    n = x.shape[0]
     if n == 0:
         return xp.zeros((0, top_k), np.int32), xp.zeros((0, top_k), np.float32)
     logits = xp.matmul(x.astype(np.float32), router)                          # [N, E]
@@ -182,6 +187,33 @@ def route(x, router, top_k: int):
     weights = xp.take_along_axis(probs, ids, axis=1)
     weights /= weights.sum(axis=1, keepdims=True)
     return xp.ascontiguousarray(ids.astype(np.int32)), xp.ascontiguousarray(weights.astype(np.float32))
+
+
+def _check_route_args(x, router, top_k) -> None:
+    """route's arguments: x [N, H] bf16/float32 and router float32 [H, E], both NumPy or both CuPy (same GPU)."""
+    import cupy
+    for name, a in (("x", x), ("router", router)):
+        if not isinstance(a, (np.ndarray, cupy.ndarray)):
+            raise TypeError(f"{name} must be a NumPy or CuPy array, got {type(a).__name__}")
+        if a.ndim != 2:
+            raise ValueError(f"{name} must be 2-D ({'[N, H]' if name == 'x' else '[H, n_experts]'}), got shape "
+                             f"{a.shape}")
+        if isinstance(a, cupy.ndarray) and a.size and a.data.ptr % a.dtype.itemsize:
+            raise ValueError(f"{name} starts at address {a.data.ptr:#x}, not on a {a.dtype.itemsize}-byte boundary "
+                             f"(its dtype's size): pass a fresh array, e.g. {name}.copy()")
+    if x.dtype not in (BF16, _F32):
+        raise TypeError(f"x has dtype {x.dtype}; expected bfloat16 or float32")
+    if router.dtype != _F32:
+        raise TypeError(f"router has dtype {router.dtype}; expected float32")
+    if type(x) is not type(router) or (isinstance(x, cupy.ndarray) and x.device.id != router.device.id):
+        where = lambda a: f"GPU {a.device.id}" if isinstance(a, cupy.ndarray) else "the host"  # noqa: E731
+        raise ValueError(f"x is on {where(x)} but router on {where(router)}: both must be on the same side")
+    if router.shape[0] != x.shape[1]:
+        raise ValueError(f"router has shape {router.shape}; expected ({x.shape[1]}, n_experts) for x of shape "
+                         f"{x.shape}")
+    e = router.shape[1]
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or not 1 <= top_k <= e:
+        raise ValueError(f"top_k={top_k!r} must be an int in [1, n_experts={e}]")
 
 
 # ---- experts: one rank's dispatch output -> expert outputs ------------------------------------------------------
@@ -323,6 +355,7 @@ def _check_forward_args(buf, xs, ws) -> None:
                              f"{cfg.max_tokens_per_rank}: split the batch")
 
 
+@torch_aware
 def moe_forward(buf, x, weights, *, global_scale: float = 1.0, timings: dict | None = None):
     """One MoE layer on every local rank: route, dispatch, expert MLPs (SwiGLU), combine (+ shared expert).
 

@@ -16,6 +16,7 @@ import ml_dtypes
 import numpy as np
 
 from . import _kernels
+from .interop import torch_aware
 from .formats import (GLOBAL_SCALE_MAX, GLOBAL_SCALE_MIN, SCALE_TILE_BYTES, SCALE_TILE_ROWS, Format, ceil_div,
                       check_hidden, get_format)
 
@@ -38,8 +39,13 @@ _DTYPE_SUFFIX = {_BF16: "bf16", _F32: "f32"}
 
 
 # ---- argument checks ------------------------------------------------------------------------------------------
-def _check_array(a, argname: str, dtypes, ndim: int, shape=None) -> None:
-    """Type, dtype, ndim, exact shape (None entries are free), C-contiguity and device of a CuPy array."""
+def _check_array(a, argname: str, dtypes, ndim: int, shape=None, align: int = 16) -> None:
+    """Type, dtype, ndim, exact shape (None entries are free), C-contiguity, device and alignment of a CuPy array.
+
+    ``align``: the start address must be a multiple of it (16: the kernels move rows and scales with 16-byte
+    vectors; 0: the dtype's itemsize). Fresh CuPy/torch allocations are 256-byte aligned; a view at an odd offset
+    of a larger allocation is not, and a misaligned load would be a fatal device fault rather than an exception.
+    """
     import cupy
     if isinstance(a, np.ndarray):
         raise TypeError(f"{argname} must be a cupy.ndarray, got numpy.ndarray (host memory): move it to the GPU "
@@ -61,12 +67,18 @@ def _check_array(a, argname: str, dtypes, ndim: int, shape=None) -> None:
     if a.device.id != dev:
         raise ValueError(f"{argname} is on device {a.device.id}, but the current device is {dev}: call the op "
                          f"inside `with cupy.cuda.Device({a.device.id}):`, or copy the array to device {dev}")
+    align = align or a.dtype.itemsize
+    if a.size and a.data.ptr % align:
+        raise ValueError(f"{argname} starts at address {a.data.ptr:#x}, not on a {align}-byte boundary (the kernels "
+                         f"read it with {align}-byte loads): pass a fresh array, e.g. a .copy()")
 
 
 def _check_global_scale(global_scale) -> np.float32:
     """nvfp4's g as float32, in [2**-100, 2**100] (as cuep.reference checks it)."""
     msg = f"global_scale={global_scale!r} must be a float in [2**-100, 2**100] (nvfp4's global scale)"
-    if isinstance(global_scale, (bool, np.bool_)):
+    # a number, not a string that np.float32 would parse, nor a bool (as cuep.reference and cuep.dispatch check it)
+    if isinstance(global_scale, (bool, np.bool_)) or not isinstance(global_scale, (int, float, np.integer,
+                                                                                   np.floating)):
         raise ValueError(msg)
     try:
         with np.errstate(all="ignore"):
@@ -168,6 +180,7 @@ def _swizzle_tiles(capacity: int, n_groups: int) -> int:
 
 
 # ---- quantize / dequantize --------------------------------------------------------------------------------------
+@torch_aware
 def quantize(x: cupy.ndarray, fmt: str, global_scale: float = 1.0, out=None) -> tuple[cupy.ndarray, cupy.ndarray]:
     """Encode token rows in a wire format on the GPU, bit for bit as :func:`cuep.reference.quantize`.
 
@@ -208,6 +221,7 @@ def quantize(x: cupy.ndarray, fmt: str, global_scale: float = 1.0, out=None) -> 
     return payload, scales
 
 
+@torch_aware
 def dequantize(payload: cupy.ndarray, scales: cupy.ndarray, fmt: str, hidden: int, global_scale: float = 1.0,
                out=None) -> cupy.ndarray:
     """Decode token rows on the GPU, bit for bit as :func:`cuep.reference.dequantize`.
@@ -246,6 +260,7 @@ def dequantize(payload: cupy.ndarray, scales: cupy.ndarray, fmt: str, hidden: in
 
 
 # ---- 128x4 swizzled block scales ------------------------------------------------------------------------------
+@torch_aware
 def swizzle_block_scales(scales: cupy.ndarray, row_offsets: cupy.ndarray, fmt: str, hidden: int,
                          out=None) -> tuple[cupy.ndarray, cupy.ndarray]:
     """Lay per-row block scales out in the 128x4 tiles of block-scaled grouped GEMMs, on the GPU.
@@ -295,6 +310,7 @@ def swizzle_block_scales(scales: cupy.ndarray, row_offsets: cupy.ndarray, fmt: s
 
 
 # ---- fused SwiGLU ---------------------------------------------------------------------------------------------
+@torch_aware
 def fused_silu(h: cupy.ndarray, row_offsets: cupy.ndarray, out_fmt: str = "bf16", interleaved: bool = False,
                global_scale: float = 1.0, out=None):
     """``silu(gate) * up`` of the rows below ``row_offsets[-1]``, as bf16 or quantized for the down GEMM.

@@ -7,10 +7,15 @@ the visible GPUs, so N larger than the GPU count puts several ranks on one GPU (
 ``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` and ``NVSHMEM_DISABLE_NVLS=1`` are set unless the
 environment sets them already (NVLink multicast stays off).
 
-Output: every line of every rank, stdout and stderr, prefixed with ``[rank i]``. Exit status: 0 when every rank
-exits 0; otherwise the first non-zero status seen (a rank killed by signal S counts as 128 + S), after stopping
-the other ranks at once. ``--timeout`` (default 600 s) bounds the whole run: then every rank is stopped and the
-launcher exits with 124.
+Output: every line of every rank, stdout and stderr, prefixed with ``[rank i]``.
+
+When a rank fails (a non-zero exit, or killed by a signal) the launcher says which and how (``rank 2 was killed
+by SIGKILL``) and gives the others ``--grace-s`` seconds (default 15: more than a round's default ``timeout_s`` of
+5 s plus the time to raise :class:`cuep.EPError`, clean up and exit) to finish on their own; the ones still
+running then are stopped (SIGTERM, then SIGKILL). Every rank's end is reported, and every child is waited for (no
+zombies). Exit status: 0 when every rank exits 0; otherwise the first failure's (a rank killed by signal S counts as
+128 + S). ``--timeout`` (default 600 s) bounds the whole run: then every rank is stopped and the launcher exits
+with 124.
 """
 from __future__ import annotations
 
@@ -25,7 +30,8 @@ import time
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 TIMEOUT_STATUS = 124
-_GRACE_S = 3.0   # between SIGTERM and SIGKILL when stopping ranks
+GRACE_S = 15.0   # default --grace-s: how long the other ranks may take to finish after one failed
+_STOP_S = 3.0    # between SIGTERM and SIGKILL when stopping ranks
 _POLL_S = 0.05
 
 
@@ -50,6 +56,17 @@ def _exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+def how_it_ended(returncode: int) -> str:
+    """``exited with status 3`` or ``was killed by SIGKILL (status 137)``, from a ``Popen.returncode``."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"was killed by {name} (status {_exit_status(returncode)})"
+    return f"exited with status {returncode}"
+
+
 def _pump(rank: int, stream, out, lock: threading.Lock) -> None:
     """Copy one rank's output line by line, each line prefixed with ``[rank i]``."""
     prefix = f"[rank {rank}] "
@@ -62,7 +79,7 @@ def _pump(rank: int, stream, out, lock: threading.Lock) -> None:
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM every running rank's process group, SIGKILL what is left after a grace period."""
+    """SIGTERM every running rank's process group, SIGKILL what is left after a while; reap every child."""
     live = [p for p in procs if p.poll() is None]
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for p in live:
@@ -70,23 +87,39 @@ def _stop(procs: list[subprocess.Popen]) -> None:
                 os.killpg(p.pid, sig)  # each rank leads its own session: this reaches its children too
             except (ProcessLookupError, PermissionError):
                 pass
-        deadline = time.monotonic() + _GRACE_S
+        deadline = time.monotonic() + _STOP_S
         while any(p.poll() is None for p in live) and time.monotonic() < deadline:
             time.sleep(_POLL_S)
         live = [p for p in live if p.poll() is None]
         if not live:
-            return
+            break
+    for p in procs:  # no zombies: every child is waited for (SIGKILL cannot be ignored)
+        try:
+            p.wait(timeout=_STOP_S)
+        except subprocess.TimeoutExpired:
+            pass
 
 
-def launch(n: int, cmd: list[str], timeout_s: float = 600.0, out=None, err=None) -> int:
-    """Run ``cmd`` as ``n`` ranks; return 0, the first non-zero exit status, or 124 after ``timeout_s``."""
+def launch(n: int, cmd: list[str], timeout_s: float = 600.0, out=None, err=None, grace_s: float = GRACE_S,
+           procs: list | None = None) -> int:
+    """Run ``cmd`` as ``n`` ranks; return 0, the first failure's exit status, or 124 after ``timeout_s``.
+
+    After the first failure the other ranks get ``grace_s`` seconds to finish on their own before they are
+    stopped. ``procs``, if given, receives the ``subprocess.Popen`` of every rank (all waited for on return).
+    """
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
     port = free_port()
     lock = threading.Lock()
-    procs: list[subprocess.Popen] = []
+    procs = [] if procs is None else procs
     pumps: list[threading.Thread] = []
     status = 0
+
+    def say(msg: str) -> None:
+        with lock:
+            err.write(f"cuep.run: {msg}\n")
+            err.flush()
+
     try:
         for rank in range(n):
             p = subprocess.Popen(cmd, env=rank_env(rank, n, port), stdin=subprocess.DEVNULL,
@@ -96,36 +129,49 @@ def launch(n: int, cmd: list[str], timeout_s: float = 600.0, out=None, err=None)
             t.start()
             pumps.append(t)
         deadline = time.monotonic() + timeout_s
+        failed_at = None   # when the first rank failed: the others' grace period runs from then
+        told = set()       # ranks whose end was reported
         while True:
             codes = [p.poll() for p in procs]
-            failed = next((r for r, c in enumerate(codes) if c not in (None, 0)), None)
-            if failed is not None:
-                status = _exit_status(codes[failed])
-                still = [r for r, c in enumerate(codes) if c is None]
-                with lock:
-                    err.write(f"cuep.run: rank {failed} exited with status {status}"
-                              + (f"; stopping rank(s) {', '.join(map(str, still))}\n" if still else "\n"))
-                    err.flush()
+            for r, c in enumerate(codes):
+                if c is None or r in told or (c == 0 and failed_at is None):
+                    continue
+                told.add(r)
+                if c != 0 and failed_at is None:
+                    failed_at, status = time.monotonic(), _exit_status(c)
+                    still = [q for q, cq in enumerate(codes) if cq is None]
+                    say(f"rank {r} {how_it_ended(c)}" + (
+                        f"; waiting up to {grace_s:g} s (--grace-s) for rank{'s' if len(still) > 1 else ''} "
+                        f"{', '.join(map(str, still))} to finish" if still else ""))
+                else:
+                    say(f"rank {r} {how_it_ended(c)}")
+            if all(c is not None for c in codes):
                 break
-            if all(c == 0 for c in codes):
-                break
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if failed_at is not None and now >= failed_at + grace_s:
                 still = [r for r, c in enumerate(codes) if c is None]
-                with lock:
-                    err.write(f"cuep.run: timed out after {timeout_s:g} s (--timeout); stopping rank(s) "
-                              f"{', '.join(map(str, still))} that had not finished\n")
-                    err.flush()
+                say(f"rank{'s' if len(still) > 1 else ''} {', '.join(map(str, still))} still running {grace_s:g} s "
+                    f"after the first failure (--grace-s); stopping them")
+                break
+            if now >= deadline:
+                still = [r for r, c in enumerate(codes) if c is None]
+                say(f"timed out after {timeout_s:g} s (--timeout); stopping rank(s) {', '.join(map(str, still))} "
+                    f"that had not finished")
                 status = TIMEOUT_STATUS
                 break
             time.sleep(_POLL_S)
     except KeyboardInterrupt:
-        with lock:
-            err.write("cuep.run: interrupted; stopping every rank\n")
+        say("interrupted; stopping every rank")
         status = 130
     finally:
+        stopped = {r for r, p in enumerate(procs) if p.poll() is None}
         _stop(procs)
         for t in pumps:
-            t.join(timeout=_GRACE_S)
+            t.join(timeout=_STOP_S)
+    if status:
+        ends = [f"rank {r} " + (how_it_ended(p.returncode) if p.returncode is not None else "did not end")
+                + (" (stopped by cuep.run)" if r in stopped else "") for r, p in enumerate(procs)]
+        say("how every rank ended: " + "; ".join(ends))
     return status
 
 
@@ -136,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-n", "--nproc", type=int, required=True, help="ranks (processes) to start, 1..8")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds before every rank is stopped and the launcher exits 124 (default 600)")
+    p.add_argument("--grace-s", type=float, default=GRACE_S,
+                   help=f"seconds the other ranks may take to finish on their own after one failed, before they are "
+                        f"stopped (default {GRACE_S:g})")
     p.add_argument("script", help="the Python script every rank runs")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     a = p.parse_args(argv)
@@ -143,10 +192,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"-n {a.nproc}: a node-local cuep group has 1..8 ranks")
     if not a.timeout > 0:
         p.error(f"--timeout {a.timeout:g} must be positive")
+    if not a.grace_s >= 0:
+        p.error(f"--grace-s {a.grace_s:g} must not be negative")
     if not os.path.isfile(a.script):
         p.error(f"script {a.script!r} not found")
     signal.signal(signal.SIGTERM, _interrupt)  # stopping the launcher stops its ranks too
-    return launch(a.nproc, [sys.executable, a.script, *a.args], a.timeout)
+    return launch(a.nproc, [sys.executable, a.script, *a.args], a.timeout, grace_s=a.grace_s)
 
 
 def _interrupt(signum, frame):

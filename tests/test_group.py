@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing as mp
+import os
+import signal
 import socket
+import sys
 import threading
 import time
 
@@ -26,80 +29,176 @@ def _payload(rank: int, i: int) -> bytes:
     return [f"rank {rank}".encode(), b"", bytes([rank]) * (1 << 20) + b"end", b"x" * rank][i % 4]
 
 
-def _store_rank(rank, n, port, timeout_s, rounds, leave_after_connect, idle_s, q):
-    """One rank: connect, ``rounds`` all-gathers each followed by a barrier; report the result or the error."""
+def _digests(n: int, i: int) -> list[str]:
+    return [hashlib.sha256(_payload(r, i)).hexdigest() for r in range(n)]
+
+
+def _script_rank(rank, n, port, timeout_s, steps, q):
+    """One rank of an ``n``-rank store running ``steps`` in order; reports one entry per all-gather.
+
+    Steps: ``("gather", timeout_s or None)`` (an all-gather of :func:`_payload`), ``("sleep", s)``, ``("kill",)``
+    (SIGKILL itself: it reports nothing), ``("close",)``. An all-gather's entry is ``("ok", digests)`` or
+    ``(exception type, message, .rank, .reason)``.
+    """
     try:
         store = _Store(rank, n, "127.0.0.1", port, timeout_s)
-        if leave_after_connect:
-            store.close()
-            q.put((rank, "left", ""))
-            return
-        time.sleep(idle_s)
-        digests = []
-        for i in range(rounds):
-            got = store.allgather(_payload(rank, i))
-            digests.append([hashlib.sha256(g).hexdigest() for g in got])
-            store.barrier()
-        store.close()
-        q.put((rank, "ok", digests))
     except Exception as e:  # noqa: BLE001 (the parent asserts on the type and message)
-        q.put((rank, type(e).__name__, str(e)))
+        q.put((rank, [(type(e).__name__, str(e), None, None)]))
+        return
+    log, i = [], 0
+    for step in steps:
+        if step[0] == "sleep":
+            time.sleep(step[1])
+        elif step[0] == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif step[0] == "close":
+            store.close()
+        else:
+            i += 1
+            try:
+                got = store.allgather(_payload(rank, i), step[1])
+                log.append(("ok", [hashlib.sha256(g).hexdigest() for g in got]))
+            except Exception as e:  # noqa: BLE001
+                log.append((type(e).__name__, str(e), getattr(e, "rank", None), getattr(e, "reason", None)))
+    store.close()
+    q.put((rank, log))
 
 
-def run_ranks(n, ranks, timeout_s=20.0, rounds=4, leave=(), idle=None, wait_s=60.0):
-    """Start ``ranks`` of an ``n``-rank store; return {rank: (outcome, detail)}."""
+def run_script(n, steps, timeout_s=20.0, wait_s=60.0):
+    """Start the ranks of ``steps`` ({rank: steps}) of an ``n``-rank store; {rank: log} of the ranks that report
+    (a rank that kills itself does not; a rank missing from ``steps`` is never started)."""
     port = free_port()
     q = SPAWN.Queue()
-    procs = [SPAWN.Process(target=_store_rank, args=(r, n, port, timeout_s, rounds, r in leave,
-                                                     (idle or {}).get(r, 0.0), q)) for r in ranks]
-    for p in procs:
+    procs = {r: SPAWN.Process(target=_script_rank, args=(r, n, port, timeout_s, st, q)) for r, st in steps.items()}
+    for p in procs.values():
         p.start()
+    want = [r for r, st in steps.items() if ("kill",) not in st]
     out = {}
     try:
         deadline = time.monotonic() + wait_s
-        while len(out) < len(procs):
-            rank, outcome, detail = q.get(timeout=max(0.1, deadline - time.monotonic()))
-            out[rank] = (outcome, detail)
+        while len(out) < len(want):
+            rank, log = q.get(timeout=max(0.1, deadline - time.monotonic()))
+            out[rank] = log
     finally:
-        for p in procs:
+        for p in procs.values():
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
+                p.join(timeout=5)
     return out
+
+
+def gathers(k, timeout_s=None):
+    return [("gather", timeout_s)] * k
 
 
 # ---- the store -------------------------------------------------------------------------------------------------
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("n", [3, 4])
-def test_store_allgather_and_barrier_across_processes(n):
-    out = run_ranks(n, range(n))
-    want = [[hashlib.sha256(_payload(r, i)).hexdigest() for r in range(n)] for i in range(4)]
+def test_store_allgather_across_processes(n):
+    out = run_script(n, {r: gathers(5) for r in range(n)})
     for r in range(n):
-        assert out[r] == ("ok", want), f"rank {r}: {out[r]}"
+        assert out[r] == [("ok", _digests(n, i)) for i in range(1, 6)], f"rank {r}: {out[r]}"
 
 
 @pytest.mark.timeout(60)
 def test_store_names_the_rank_that_never_connected():
-    out = run_ranks(3, [0, 1], timeout_s=1.5)
-    assert out[0][0] == "TimeoutError" and "rank 2 never connected" in out[0][1], out[0]
-    assert "WORLD_SIZE=3" in out[0][1]
-    # rank 1 was connected and waiting: rank 0 drops it at once rather than letting it wait out its own clock
-    assert out[1][0] == "ConnectionError" and "rank 0 closed its connection" in out[1][1], out[1]
+    out = run_script(3, {0: gathers(1), 1: gathers(2)}, timeout_s=1.5)
+    assert out[0][0][0] == "TimeoutError" and "rank 2 never connected" in out[0][0][1], out[0]
+    assert "WORLD_SIZE=3" in out[0][0][1]
+    # rank 1 was connected: rank 0 tells it whom the group misses, and the group stays failed
+    for entry in out[1]:
+        assert entry[0] == "EPError" and "rank 2 never connected" in entry[1] and entry[2:] == (2, "timeout"), out[1]
 
 
 @pytest.mark.timeout(60)
-def test_store_names_the_rank_that_left():
-    out = run_ranks(3, range(3), timeout_s=20, leave={2})
-    assert out[2][0] == "left"
-    assert out[0][0] == "ConnectionError" and "rank 2 closed its connection" in out[0][1], out[0]
-    assert out[1][0] == "ConnectionError" and "rank 0" in out[1][1], out[1]
+@pytest.mark.parametrize("victim", [1, 2])
+def test_store_names_the_rank_that_died_mid_collective_on_every_rank(victim):
+    """A peer dies while the others wait in an all-gather (rank 0 waits on every peer at once, so the other
+    survivor hears of the death from rank 0 and names the dead rank, not rank 0); every later collective raises
+    at once, naming it."""
+    late = 3 - victim  # the other peer arrives after the death: it reads the verdict that was left for it
+    steps = {0: gathers(3), victim: gathers(1) + [("sleep", 0.5), ("kill",)],
+             late: gathers(1) + [("sleep", 2.0)] + gathers(2)}
+    out = run_script(3, steps, timeout_s=30)
+    for r in (0, late):
+        assert out[r][0] == ("ok", _digests(3, 1)), out[r]
+        for entry in out[r][1:]:
+            assert entry[0] == "EPError" and entry[2:] == (victim, "died"), (r, out[r])
+            assert f"rank {victim} closed its connection" in entry[1] and "cannot go on" in entry[1], entry
 
 
 @pytest.mark.timeout(60)
-def test_store_names_the_rank_that_is_late_for_a_collective():
-    out = run_ranks(3, range(3), timeout_s=1.5, idle={1: 3.0})
-    assert out[0][0] == "TimeoutError" and "rank 1 to reach all-gather #1" in out[0][1], out[0]
-    assert "timeout_s=1.5" in out[0][1]
+def test_store_names_the_rank_that_closed_its_connection():
+    out = run_script(3, {0: gathers(2), 1: gathers(2), 2: [("close",)]}, timeout_s=30)
+    for r in (0, 1):
+        assert [e[2:] for e in out[r]] == [(2, "died")] * 2, out[r]
+        assert "rank 2 closed its connection" in out[r][0][1]
+
+
+@pytest.mark.timeout(60)
+def test_store_names_rank_0_when_it_dies():
+    steps = {0: gathers(1) + [("sleep", 0.3), ("kill",)], 1: gathers(3), 2: gathers(3)}
+    out = run_script(3, steps, timeout_s=30)
+    for r in (1, 2):
+        assert out[r][0] == ("ok", _digests(3, 1))
+        assert [e[2:] for e in out[r][1:]] == [(0, "died")] * 2, out[r]
+        assert "rank 0 closed its connection" in out[r][1][1]
+
+
+@pytest.mark.timeout(60)
+def test_store_survives_a_rank_that_is_late_for_a_collective():
+    """Rank 1 stops calling for longer than the timeout: rank 0 and rank 2 raise naming it; rank 1 reaches the
+    failed all-gather late and gets the same failure (its number is spent on every rank); the next all-gathers
+    work on every rank."""
+    steps = {0: gathers(1) + gathers(1, 1.0) + gathers(2), 2: gathers(1) + gathers(1, 1.0) + gathers(2),
+             1: gathers(1) + [("sleep", 3.0)] + gathers(1, 1.0) + gathers(2)}
+    out = run_script(3, steps, timeout_s=20)
+    for r in range(3):
+        log = out[r]
+        assert log[0] == ("ok", _digests(3, 1)), (r, log)
+        kind, msg, rank, reason = log[1]
+        assert (kind, rank, reason) == ("EPError", 1, "timeout"), (r, log[1])
+        assert "all-gather #2 failed: rank 1 did not reach it within 1 s" in msg and "timeout_s=1" in msg, msg
+        assert "Buffer.reset()" in msg
+        assert log[2:] == [("ok", _digests(3, 3)), ("ok", _digests(3, 4))], (r, log)
+
+
+@pytest.mark.timeout(60)
+def test_store_survives_rank_0_being_late():
+    """Rank 0 itself stops calling: the others give up after the timeout (plus the grace for rank 0's verdict),
+    naming rank 0, and tell it; rank 0 reaches the collective late and fails it too, naming itself."""
+    steps = {0: gathers(1) + [("sleep", 3.0)] + gathers(1, 1.0) + gathers(2),
+             1: gathers(1) + gathers(1, 1.0) + gathers(2), 2: gathers(1) + gathers(1, 1.0) + gathers(2)}
+    out = run_script(3, steps, timeout_s=20)
+    for r in range(3):
+        log = out[r]
+        assert log[0] == ("ok", _digests(3, 1)), (r, log)
+        assert log[1][0] == "EPError" and log[1][2:] == (0, "timeout"), (r, log[1])
+        assert "rank 0 did not" in log[1][1], log[1]
+        assert log[2:] == [("ok", _digests(3, 3)), ("ok", _digests(3, 4))], (r, log)
+
+
+@pytest.mark.timeout(60)
+def test_store_names_every_rank_that_is_missing():
+    steps = {0: gathers(1, 1.0) + gathers(1), 1: gathers(1, 1.0) + gathers(1),
+             2: [("sleep", 2.5)] + gathers(1, 1.0) + gathers(1), 3: [("sleep", 2.5)] + gathers(1, 1.0) + gathers(1)}
+    out = run_script(4, steps, timeout_s=20)
+    for r in range(4):
+        kind, msg, rank, reason = out[r][0]
+        assert (kind, rank, reason) == ("EPError", 2, "timeout") and "ranks 2, 3 did not reach it" in msg, out[r]
+        assert out[r][1] == ("ok", _digests(4, 2))
+
+
+def test_ep_error_keeps_its_attributes_through_pickling():
+    import pickle
+
+    e = cuep.EPError("rank 1: barrier #3 failed", ranks=[2, 3], reason="timeout")
+    assert isinstance(e, RuntimeError) and (e.rank, e.ranks, e.reason) == (2, (2, 3), "timeout")
+    back = pickle.loads(pickle.dumps(e))
+    assert (str(back), back.rank, back.ranks, back.reason) == (str(e), 2, (2, 3), "timeout")
+    assert cuep.EPError("bad routing", reason="invalid").rank is None
+    assert cuep.buffer.EPError is cuep.EPError
 
 
 @pytest.mark.timeout(30)
@@ -252,15 +351,18 @@ def test_local_group_transport_is_trivial():
 
 
 class _FakeComm:
-    def __init__(self):
-        self.calls, self.closed = [], False
+    def __init__(self, fail=None):
+        self.calls, self.timeouts, self.closed, self.fail = [], [], False, fail
 
-    def allgather(self, data):
+    def allgather(self, data, timeout_s=None):
         self.calls.append(data)
         return [data, data]
 
-    def barrier(self):
+    def barrier(self, timeout_s=None):
         self.calls.append("barrier")
+        self.timeouts.append(timeout_s)
+        if self.fail is not None:
+            raise self.fail
 
     def close(self):
         self.closed = True
@@ -284,6 +386,7 @@ def test_ipc_group_delegates_to_its_rendezvous_and_refuses_use_after_close():
 class _FakeBuffer:
     def __init__(self, group):
         self.group, self._ranks, self._launched = group, [object()] * group.n_local, set()
+        self.timeout_s = 2.5
 
 
 def test_launch_order_fused_or_phase_by_phase():
@@ -309,3 +412,158 @@ def test_launch_order_fused_or_phase_by_phase():
     assert comm.calls == ["barrier", "barrier"]
     _before_launch(multi_gpu, "dispatch.cu")  # one process: nothing to wait for
     assert comm.calls == ["barrier", "barrier"]
+
+
+def _fake_cupy(monkeypatch):
+    """Just enough of CuPy for the phase-barrier path of ep._before_launch (a stream sync) on a CPU machine."""
+    import contextlib
+    import types
+
+    syncs = []
+    stream = types.SimpleNamespace(synchronize=lambda: syncs.append(1))
+    cuda = types.SimpleNamespace(Device=lambda dev: contextlib.nullcontext(), get_current_stream=lambda: stream)
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=cuda))
+    return syncs
+
+
+def test_phase_barriers_are_bounded_by_the_buffer_timeout_after_the_first(monkeypatch):
+    """Ranks sharing a GPU meet before every phase: the first barrier of a kernel file waits as long as the
+    rendezvous (a peer may still compile), the later ones, inside rounds, only the buffer's timeout_s."""
+    from cuep.ep import _before_launch
+
+    syncs = _fake_cupy(monkeypatch)
+    comm = _FakeComm()
+    shared = _FakeBuffer(Group(devices=[0], ranks=[1], n_ranks=2, kind="ipc", phase_barrier=True, _comm=comm))
+    for source in ("dispatch.cu", "dispatch.cu", "dispatch.cu", "combine.cu", "combine.cu"):
+        _before_launch(shared, source)
+    assert comm.timeouts == [None, 2.5, 2.5, None, 2.5] and len(syncs) == 5
+
+
+def test_a_failed_round_barrier_marks_the_buffer_failed(monkeypatch):
+    from cuep.ep import _before_launch
+
+    _fake_cupy(monkeypatch)
+    err = cuep.EPError("rank 1: barrier #7 failed: rank 2 closed its connection", rank=2, reason="died")
+    shared = _FakeBuffer(Group(devices=[0], ranks=[1], n_ranks=3, kind="ipc", phase_barrier=True,
+                               _comm=_FakeComm(fail=err)))
+    with pytest.raises(cuep.EPError) as got:
+        _before_launch(shared, "dispatch.cu")
+    assert got.value is err and shared._host_error is err  # Buffer.check refuses rounds until reset()
+
+
+def test_buffer_check_refuses_rounds_after_a_host_side_failure():
+    """Buffer.check on a buffer whose round barrier failed (built without a GPU: only the state check needs)."""
+    buf = cuep.Buffer.__new__(cuep.Buffer)
+    buf.group = Group(devices=[0], ranks=[1], n_ranks=3, kind="ipc", _comm=_FakeComm())
+    buf._ranks = []
+    buf.check()
+    buf._host_error = cuep.EPError("rank 1: barrier #7 failed: rank 2 did not reach it", rank=2, reason="timeout")
+    with pytest.raises(cuep.EPError, match=r"rank 1: a round on this buffer failed \(rank 1: barrier #7 .*reset\(\)") \
+            as got:
+        buf.check()
+    assert (got.value.rank, got.value.reason) == (2, "timeout")
+
+
+# ---- torch.distributed's store (a stand-in with the same set / wait / get / check / delete_key) ----------------
+class _KVStore:
+    """A thread-safe stand-in for a torch.distributed store (torch is not needed on the CPU)."""
+
+    def __init__(self):
+        self.data, self.cv = {}, threading.Condition()
+
+    def set(self, key, value):
+        with self.cv:
+            self.data[key] = bytes(value)
+            self.cv.notify_all()
+
+    def get(self, key):
+        with self.cv:
+            return self.data[key]
+
+    def check(self, keys):
+        with self.cv:
+            return all(k in self.data for k in keys)
+
+    def wait(self, keys, timeout):
+        with self.cv:
+            if not self.cv.wait_for(lambda: all(k in self.data for k in keys), timeout.total_seconds()):
+                raise RuntimeError("Wait timeout")
+
+    def delete_key(self, key):
+        with self.cv:
+            return self.data.pop(key, None) is not None
+
+
+def _torch_store_ranks(n, plan):
+    """Run ``plan(rank, store)`` on ``n`` threads over one _KVStore; {rank: list of outcomes}."""
+    from cuep.group import _TorchStore
+
+    kv = _KVStore()
+    out = {}
+
+    def body(rank):
+        store = _TorchStore(kv, rank, n, timeout_s=20)
+        out[rank] = plan(rank, store)
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(out) == n, out
+    return out, kv
+
+
+def _try(fn):
+    try:
+        return ("ok", fn())
+    except cuep.EPError as e:
+        return ("EPError", e.rank, e.reason, str(e))
+
+
+@pytest.mark.timeout(60)
+def test_torch_store_allgather_and_cleanup():
+    def plan(rank, store):
+        return [store.allgather(_payload(rank, i)) for i in range(1, 5)] + [store.barrier()]
+
+    out, kv = _torch_store_ranks(3, plan)
+    for r in range(3):
+        assert out[r][:4] == [[_payload(q, i) for q in range(3)] for i in range(1, 5)]
+    assert all(k.startswith("cuep/") for k in kv.data)
+    assert sorted(kv.data) == [f"cuep/5/{r}" for r in range(3)]  # only the last collective's keys are left
+
+
+@pytest.mark.timeout(60)
+def test_torch_store_names_a_rank_that_did_not_arrive_and_goes_on():
+    def plan(rank, store):
+        log = [_try(lambda: store.allgather(_payload(rank, 1)))]
+        if rank == 1:
+            time.sleep(2.0)  # stops calling for longer than the timeout
+        log.append(_try(lambda: store.allgather(_payload(rank, 2), timeout_s=0.5)))
+        log.append(_try(lambda: store.allgather(_payload(rank, 3))))
+        return log
+
+    out, _ = _torch_store_ranks(3, plan)
+    for r in range(3):
+        assert out[r][0] == ("ok", [_payload(q, 1) for q in range(3)])
+        assert out[r][1][:3] == ("EPError", 1, "timeout") and "rank 1 did not reach it" in out[r][1][3], out[r]
+        assert out[r][2] == ("ok", [_payload(q, 3) for q in range(3)])
+
+
+def test_init_distributed_takes_torch_distributed_only_when_initialised(monkeypatch):
+    """Without torch imported, "auto" never looks for it (and never imports it); "torch" says what is missing."""
+    from cuep.group import _torch_distributed
+
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    assert _torch_distributed() is None and "torch" not in sys.modules
+    with pytest.raises(RuntimeError, match=r"rendezvous='torch' needs an initialised torch.distributed"):
+        cuep.init_distributed(rendezvous="torch")
+    with pytest.raises(ValueError, match=r"rendezvous='nccl' must be one of 'auto', 'torch', 'env'"):
+        cuep.init_distributed(rendezvous="nccl")
+    import types
+
+    dist = types.SimpleNamespace(is_available=lambda: True, is_initialized=lambda: False)
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(distributed=dist))
+    assert _torch_distributed() is None
+    dist.is_initialized = lambda: True
+    assert _torch_distributed() is dist

@@ -63,11 +63,16 @@ def test_a_failing_rank_fails_the_launch_fast_with_its_status(tmp_path):
             print("rank 1 fails", flush=True)
             sys.exit(3)
         time.sleep(60)
-        """, "-n", "3")
+        """, "-n", "3", "--grace-s", "1")
     assert res.returncode == 3, res.stdout + res.stderr
     assert dt < 20
     assert "[rank 1] rank 1 fails" in res.stdout
-    assert "cuep.run: rank 1 exited with status 3; stopping rank(s) 0, 2" in res.stderr
+    assert "cuep.run: rank 1 exited with status 3; waiting up to 1 s (--grace-s) for ranks 0, 2 to finish" \
+        in res.stderr
+    assert "cuep.run: ranks 0, 2 still running 1 s after the first failure (--grace-s); stopping them" in res.stderr
+    assert ("cuep.run: how every rank ended: rank 0 was killed by SIGTERM (status 143) (stopped by cuep.run); "
+            "rank 1 exited with status 3; rank 2 was killed by SIGTERM (status 143) (stopped by cuep.run)") \
+        in res.stderr
 
 
 @pytest.mark.timeout(60)
@@ -77,9 +82,59 @@ def test_a_rank_killed_by_a_signal_gives_128_plus_the_signal(tmp_path):
         if os.environ["RANK"] == "0":
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)
-        """, "-n", "2")
+        """, "-n", "2", "--grace-s", "0.5")
     assert res.returncode == 128 + 9, res.stdout + res.stderr
-    assert "rank 0 exited with status 137" in res.stderr
+    assert "cuep.run: rank 0 was killed by SIGKILL (status 137); waiting up to 0.5 s" in res.stderr
+
+
+@pytest.mark.timeout(60)
+def test_the_other_ranks_finish_on_their_own_within_the_grace_period(tmp_path):
+    """A rank dies (SIGKILL); the others notice, clean up and exit 0 by themselves: the launcher names the dead
+    rank, waits for them instead of stopping them, and still fails with the dead rank's status."""
+    res, _ = launch(tmp_path, """
+        import os, signal, time
+        if os.environ["RANK"] == "2":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(1.5)
+        print("finished", flush=True)
+        """, "-n", "3", "--grace-s", "30")
+    assert res.returncode == 137, res.stdout + res.stderr
+    assert "cuep.run: rank 2 was killed by SIGKILL (status 137); waiting up to 30 s (--grace-s) for ranks 0, 1 " \
+           "to finish" in res.stderr
+    for r in (0, 1):
+        assert f"[rank {r}] finished" in res.stdout
+        assert f"cuep.run: rank {r} exited with status 0\n" in res.stderr
+    assert "stopping" not in res.stderr and "stopped by" not in res.stderr
+    assert ("how every rank ended: rank 0 exited with status 0; rank 1 exited with status 0; rank 2 was killed by "
+            "SIGKILL (status 137)") in res.stderr
+
+
+@pytest.mark.timeout(60)
+def test_every_rank_is_reaped(tmp_path):
+    """No zombies: after launch() returns, every rank's process has been waited for, the one that died, the one
+    that ignores SIGTERM (stopped with SIGKILL) and the one that ends by itself."""
+    import io
+
+    from cuep.run import launch as run_launch
+
+    script = tmp_path / "rank.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, time
+        rank = os.environ["RANK"]
+        if rank == "1":
+            time.sleep(0.3)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if rank == "0":
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            time.sleep(60)
+        """))
+    procs, out, err = [], io.StringIO(), io.StringIO()
+    status = run_launch(3, [sys.executable, str(script)], timeout_s=30, out=out, err=err, grace_s=0.5, procs=procs)
+    assert status == 137, err.getvalue()
+    assert [p.returncode for p in procs] == [-9, -9, 0], err.getvalue()
+    for p in procs:
+        with pytest.raises(ChildProcessError):  # already reaped: not a child of this process any more
+            os.waitpid(p.pid, os.WNOHANG)
 
 
 @pytest.mark.timeout(60)
@@ -124,7 +179,8 @@ def test_the_ranks_meet_through_cueps_store(tmp_path):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("args, match", [(["-n", "0"], "-n 0: a node-local cuep group has 1..8 ranks"),
                                          (["-n", "9"], "1..8 ranks"),
-                                         (["-n", "2", "--timeout", "0"], "--timeout 0 must be positive")])
+                                         (["-n", "2", "--timeout", "0"], "--timeout 0 must be positive"),
+                                         (["-n", "2", "--grace-s", "-1"], "--grace-s -1 must not be negative")])
 def test_bad_launcher_arguments(tmp_path, args, match):
     res, _ = launch(tmp_path, "print('never')\n", *args)
     assert res.returncode == 2 and match in res.stderr and "never" not in res.stdout

@@ -1,0 +1,378 @@
+"""PyTorch interop without a torch dependency: torch CUDA tensors in, torch tensors out, on torch's stream.
+
+cuep's public calls (:func:`cuep.dispatch`, :func:`cuep.combine` and their async/wait halves, :mod:`cuep.ops`,
+:func:`cuep.moe.moe_forward` and :func:`cuep.moe.route`) carry :func:`torch_aware`. A call none of whose arguments
+is a torch tensor (nor a :class:`cuep.Dispatched` made by a torch call) goes straight through; torch is never
+imported here (a tensor can only exist once its user has imported torch, so ``sys.modules`` is asked first). A call
+with torch tensors runs in *torch mode*:
+
+* every torch CUDA tensor becomes a zero-copy CuPy view (same memory, shape and strides, so cuep's own checks still
+  see a non-contiguous input); a tensor on the CPU is refused, naming the argument;
+* every launch goes to torch's current stream of its device (made CuPy's current stream for the call), so cuep is
+  ordered with the torch work around it, and the call can be captured by ``torch.cuda.graph``;
+* CuPy allocations inside the call (ops outputs, temporaries) come from torch's caching allocator, so they are
+  stream-ordered with torch and, under capture, come from the graph's private pool (``cudaMalloc`` is not allowed
+  while a graph is being captured);
+* results come back as torch tensors (lists stay lists, tuples stay tuples), zero-copy: a dispatch's outputs are
+  views of the buffer, made once per buffer and reused, so a call under capture converts nothing new.
+
+Without an argument :class:`cuep.Buffer` a torch call runs on the device of its first tensor, as torch ops do.
+Unsigned 16/32/64-bit CuPy arrays (``row_offsets``, ``scales_offsets``) come back as the signed torch dtype of the
+same size (same bits; the values are below 2**31), since torch's wider unsigned dtypes have few kernels. There is
+no autograd: results never require grad.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import re
+import sys
+import warnings
+import weakref
+
+import ml_dtypes
+import numpy as np
+
+__all__ = ["torch_aware", "is_torch_tensor", "as_cupy", "as_torch"]
+
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+_SIGNED = {np.dtype(np.uint16): np.dtype(np.int16), np.dtype(np.uint32): np.dtype(np.int32),
+           np.dtype(np.uint64): np.dtype(np.int64)}
+# Attributes of a buffer rank (cuep.buffer._Rank) that calls return views of: converted to torch once, then reused.
+_PERSISTENT = ("tokens", "scales", "row_offsets", "expert_ids", "src_info", "scales_offsets", "combined",
+               "combined_unreduced")
+_DISPATCHED_FIELDS = ("tokens", "scales", "row_offsets", "expert_ids", "src_info", "scales_offsets")
+
+
+# ---- detection (the hot path: no torch import, a few isinstance checks) -------------------------------------------
+def _tensor_type():
+    """torch.Tensor if torch has been imported by anyone, else None (then no argument can be a tensor)."""
+    torch = sys.modules.get("torch")
+    return getattr(torch, "Tensor", None) if torch is not None else None
+
+
+def is_torch_tensor(a) -> bool:
+    """Whether ``a`` is a torch tensor (without importing torch)."""
+    tensor = _tensor_type()
+    return tensor is not None and isinstance(a, tensor)
+
+
+def _is_torch_arg(a, tensor) -> bool:
+    if isinstance(a, tensor) or getattr(a, "_torch", False) is True:  # a Dispatched of a torch call
+        return True
+    if isinstance(a, (list, tuple)):
+        return any(isinstance(v, tensor) or getattr(v, "_torch", False) is True for v in a)
+    return False
+
+
+def _wants_torch(args, kwargs) -> bool:
+    tensor = _tensor_type()
+    if tensor is None:
+        return False
+    return any(_is_torch_arg(a, tensor) for a in args) or any(_is_torch_arg(a, tensor) for a in kwargs.values())
+
+
+# ---- dtypes -----------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=1)
+def _dtype_maps():
+    """(torch dtype -> numpy dtype, numpy dtype -> torch dtype) for the dtypes cuep can meet."""
+    torch = sys.modules["torch"]
+    to_np = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
+             torch.bfloat16: _BF16, torch.int8: np.int8, torch.int16: np.int16, torch.int32: np.int32,
+             torch.int64: np.int64, torch.uint8: np.uint8, torch.bool: np.bool_}
+    for name, dt in (("uint16", np.uint16), ("uint32", np.uint32), ("uint64", np.uint64)):
+        if hasattr(torch, name):
+            to_np[getattr(torch, name)] = dt
+    # one-byte float formats travel as their bytes (cuep's fp8 / fp4 payloads and scales are uint8)
+    for name in ("float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu", "float4_e2m1fn_x2"):
+        if hasattr(torch, name):
+            to_np[getattr(torch, name)] = np.uint8
+    to_np = {k: np.dtype(v) for k, v in to_np.items()}
+    to_torch = {np.dtype(v): k for k, v in ((torch.float32, np.float32), (torch.float64, np.float64),
+                                            (torch.float16, np.float16), (torch.int8, np.int8),
+                                            (torch.int16, np.int16), (torch.int32, np.int32),
+                                            (torch.int64, np.int64), (torch.uint8, np.uint8),
+                                            (torch.bool, np.bool_))}
+    return to_np, to_torch
+
+
+# ---- torch -> CuPy ------------------------------------------------------------------------------------------------
+def as_cupy(t, name: str = "tensor"):
+    """A zero-copy CuPy view of a torch CUDA tensor: same memory, shape and strides (bytes), on the tensor's device.
+
+    The view keeps the tensor alive. bfloat16 becomes ``ml_dtypes.bfloat16``; float8 / float4 tensors become uint8
+    (their bytes). Raises ``TypeError`` naming ``name`` for a CPU tensor or a dtype cuep has no use for.
+    """
+    import cupy
+
+    if t.device.type != "cuda":
+        raise TypeError(f"{name} is a torch tensor on the {t.device.type.upper()}; cuep runs on the GPU: move it "
+                        f"with .cuda() (or .to('cuda:N'))")
+    dtype = _dtype_maps()[0].get(t.dtype)
+    if dtype is None:
+        raise TypeError(f"{name} has torch dtype {t.dtype}, which cuep does not take (bfloat16, float32, integer or "
+                        f"uint8 tensors)")
+    dev, shape, strides = t.device.index, tuple(t.shape), t.stride()
+    size = t.numel()
+    span = (1 + sum((n - 1) * s for n, s in zip(shape, strides))) * dtype.itemsize if size else 0
+    mem = cupy.cuda.UnownedMemory(t.data_ptr(), span, t, dev)
+    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0),
+                        strides=tuple(s * dtype.itemsize for s in strides))
+
+
+# ---- CuPy -> torch ------------------------------------------------------------------------------------------------
+def as_torch(a):
+    """A zero-copy torch view of a CuPy array, which it keeps alive.
+
+    bfloat16 comes back as torch.bfloat16; uint16/32/64 as the signed torch dtype of the same size (same bits).
+    Memory a torch call allocated is viewed through the torch tensor that holds it; any other memory through
+    ``__cuda_array_interface__``.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        import torch  # noqa: F811  (the caller asked for a torch tensor)
+    view = _torch_block_view(torch, a)
+    if view is not None:
+        return view
+    to_torch = _dtype_maps()[1]
+    dt = a.dtype
+    device = torch.device("cuda", a.device.id)
+    if dt == _BF16:
+        want, a = torch.bfloat16, a.view(np.int16)
+    else:
+        want = None
+        if dt in _SIGNED:
+            a = a.view(_SIGNED[dt])
+        if a.dtype not in to_torch:
+            raise TypeError(f"a CuPy array of dtype {dt} has no torch counterpart")
+    if a.size == 0:  # a null data pointer: nothing to share
+        t = torch.empty(a.shape, dtype=to_torch[a.dtype], device=device)
+    else:
+        t = torch.as_tensor(a, device=device)
+    return t.view(want) if want is not None else t
+
+
+def _torch_block_view(torch, a):
+    """``a`` as a view of the torch tensor :func:`_torch_malloc` made for its memory (torch ops only: nothing asks
+    the driver about the pointer, which matters under graph capture), or None when torch did not allocate it."""
+    if a.size == 0:
+        return None
+    block = _torch_blocks.get(a.data.mem.ptr)
+    if block is None:
+        return None
+    k = a.dtype.itemsize
+    offset = a.data.ptr - a.data.mem.ptr
+    if offset % k or block.numel() % k or any(s % k for s in a.strides):
+        return None
+    dt = torch.bfloat16 if a.dtype == _BF16 else _dtype_maps()[1].get(_SIGNED.get(a.dtype, a.dtype))
+    if dt is None:
+        return None
+    return block.view(dt).as_strided(a.shape, [s // k for s in a.strides], offset // k)
+
+
+def _rank_views(r) -> dict:
+    """The torch views of one buffer rank's persistent outputs, made once (kept on the rank object)."""
+    views = r.__dict__.get("_torch_views")
+    if views is None:
+        views = r.__dict__["_torch_views"] = {}
+    return views
+
+
+def _persistent_view(r, attr: str):
+    arr = getattr(r, attr)
+    if arr is None:
+        return None
+    hit = _rank_views(r).get(attr)
+    if hit is None or hit[0] is not arr:
+        hit = _rank_views(r)[attr] = (arr, as_torch(arr))
+    return hit[1]
+
+
+def _buffer_view(buf, a):
+    """``a`` as a torch view if it is one of ``buf``'s persistent outputs or a leading-rows slice of one (combine's
+    ``out[:N]``), from the cached views; else None."""
+    if buf is None:
+        return None
+    base = a.base if a.base is not None else a
+    for r in buf._ranks:
+        for attr in _PERSISTENT:
+            arr = getattr(r, attr, None)
+            if arr is None or base is not arr:
+                continue
+            view = _persistent_view(r, attr)
+            if a is arr:
+                return view
+            if a.data.ptr == arr.data.ptr and a.shape[1:] == arr.shape[1:] and a.strides == arr.strides:
+                return view[: a.shape[0]]
+    return None
+
+
+def _to_torch_result(v, buf, originals: dict):
+    import cupy
+
+    from .ep import Dispatched
+
+    if isinstance(v, cupy.ndarray):
+        t = originals.get(id(v))  # an argument given back (``out=``): the caller's own tensor
+        if t is not None:
+            return t
+        view = _buffer_view(buf, v)
+        return view if view is not None else as_torch(v)
+    if isinstance(v, Dispatched):
+        if not v._torch:
+            r = next(r for r in v._buffer._ranks if r.rank == v.rank)
+            for name in _DISPATCHED_FIELDS:  # in place: the object stays the one the wait half will be given
+                setattr(v, name, _persistent_view(r, name))
+            v._torch = True
+        return v
+    if isinstance(v, (list, tuple)):
+        return type(v)(_to_torch_result(e, buf, originals) for e in v)
+    return v
+
+
+# ---- streams and allocations of a torch call ----------------------------------------------------------------------
+_streams: dict[tuple[int, int], object] = {}
+# device address -> the torch uint8 tensor _torch_malloc made there (gone with the tensor: torch reuses addresses)
+_torch_blocks: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _cupy_stream(torch, dev: int):
+    """torch's current stream of device ``dev`` as a CuPy stream object (cached per stream; CuPy never owns it)."""
+    ptr = torch.cuda.current_stream(dev).cuda_stream
+    s = _streams.get((dev, ptr))
+    if s is None:
+        import cupy
+
+        with warnings.catch_warnings():
+            # CuPy 14 deprecates ExternalStream for Stream.from_external, but the Stream that makes destroys its
+            # handle when collected (CuPy 14's stream.pyx), and this stream is torch's
+            warnings.simplefilter("ignore", DeprecationWarning)
+            s = _streams[(dev, ptr)] = cupy.cuda.ExternalStream(ptr, dev)
+    return s
+
+
+def _torch_malloc(nbytes: int):
+    """A CuPy allocator over torch's caching allocator: the block is ordered on torch's current stream (the call's
+    stream) and, under ``torch.cuda.graph`` capture, comes from the graph's private pool."""
+    import cupy
+
+    torch = sys.modules["torch"]
+    dev = cupy.cuda.runtime.getDevice()
+    t = torch.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", dev))
+    if nbytes:
+        _torch_blocks[t.data_ptr()] = t
+    return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(t.data_ptr(), nbytes, t, dev), 0)
+
+
+@contextlib.contextmanager
+def _current_stream(dev: int, stream):
+    """``stream`` as CuPy's current stream of device ``dev`` for the block; then the stream that was current (set
+    back directly: leaving CuPy's ``with stream`` restores the top of its stack, not a stream made current by
+    ``.use()``)."""
+    import cupy
+
+    with cupy.cuda.Device(dev):
+        before = cupy.cuda.get_current_stream()
+        stream.use()
+    try:
+        yield
+    finally:
+        with cupy.cuda.Device(dev):
+            before.use()
+
+
+@contextlib.contextmanager
+def _torch_mode(devices: list[int], home: int | None):
+    """CuPy's current stream of each device = torch's current stream, allocations from torch, and (``home``) the
+    current device; all restored on exit, also on error."""
+    import cupy
+
+    torch = sys.modules["torch"]
+    with contextlib.ExitStack() as stack:
+        for dev in devices:
+            stack.enter_context(_current_stream(dev, _cupy_stream(torch, dev)))
+        if home is not None:
+            stack.enter_context(cupy.cuda.Device(home))
+        stack.enter_context(cupy.cuda.using_allocator(_torch_malloc))
+        yield
+
+
+# ---- arguments ----------------------------------------------------------------------------------------------------
+def _to_cupy_arg(v, name: str, tensor, originals: dict, devices: list):
+    if isinstance(v, tensor):
+        a = as_cupy(v, name)
+        originals[id(a)] = v
+        if v.device.index not in devices:
+            devices.append(v.device.index)
+        return a
+    if isinstance(v, (list, tuple)):
+        return type(v)(_to_cupy_arg(e, f"{name}[{i}]", tensor, originals, devices) for i, e in enumerate(v))
+    return v
+
+
+def _buffer_of(values):
+    """The cuep.Buffer a call works on: an argument, or the buffer of a Dispatched argument."""
+    from .buffer import Buffer
+
+    for v in values:
+        for e in (v if isinstance(v, (list, tuple)) else (v,)):
+            if isinstance(e, Buffer):
+                return e
+            buf = getattr(e, "_buffer", None)
+            if isinstance(buf, Buffer):
+                return buf
+    return None
+
+
+# In torch mode, argument errors name torch's remedies next to CuPy's (the checks are shared with CuPy callers).
+_HINTS = (
+    ("must be a cupy.ndarray", "must be a cupy.ndarray or a torch CUDA tensor"),
+    ("use cupy.ascontiguousarray", "use tensor.contiguous() or cupy.ascontiguousarray"),
+    ("convert with .astype(...)", "convert with tensor.to(dtype) or array.astype(...)"),
+)
+_DEVICE_COPY = re.compile(r"`with cupy\.cuda\.Device\((\d+)\): a = a\.copy\(\)`")
+
+
+def _torch_message(msg: str) -> str:
+    for old, new in _HINTS:
+        msg = msg.replace(old, new)
+    return _DEVICE_COPY.sub(r"`t.to('cuda:\1')` (torch) or `with cupy.cuda.Device(\1): a = a.copy()`", msg)
+
+
+def _call_torch(fn, sig, args, kwargs):
+    tensor = _tensor_type()
+    bound = sig.bind(*args, **kwargs)
+    originals: dict[int, object] = {}
+    devices: list[int] = []
+    for name, v in bound.arguments.items():
+        bound.arguments[name] = _to_cupy_arg(v, name, tensor, originals, devices)
+    buf = _buffer_of(bound.arguments.values())
+    home = None
+    if buf is not None:
+        devices = list(dict.fromkeys(list(buf.group.devices) + devices))
+    elif devices:
+        home = devices[0]
+    try:
+        with _torch_mode(devices, home):
+            out = fn(*bound.args, **bound.kwargs)
+            return _to_torch_result(out, buf, originals)
+    except (TypeError, ValueError) as e:
+        msg = _torch_message(str(e))
+        if type(e) in (TypeError, ValueError) and msg != str(e):
+            raise type(e)(msg).with_traceback(e.__traceback__) from None
+        raise
+
+
+def torch_aware(fn):
+    """Let ``fn`` take torch CUDA tensors (and return torch tensors, running on torch's current stream); a call
+    without torch arguments goes straight to ``fn``. See the module docstring."""
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if not _wants_torch(args, kwargs):
+            return fn(*args, **kwargs)
+        return _call_torch(fn, sig, args, kwargs)
+
+    return call
