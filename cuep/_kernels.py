@@ -8,10 +8,12 @@ recompiles every module. CuPy adds ``-arch=sm_XX`` of the device, ``--std=c++17`
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import logging
 import os
+import struct
 import threading
 import time
 from pathlib import Path
@@ -154,6 +156,86 @@ def allow_dynamic_smem(fn, smem: int) -> None:
         fn.max_dynamic_shared_size_bytes = smem
         allowed = smem
     _smem_allowed[key] = allowed
+
+
+# ---- prepared launches (the host cost of a call) ------------------------------------------------------------------
+# struct codes of a kernel argument, each in its own 8-byte slot: P a device pointer (int), q int64, Q uint64,
+# i int32, f float32 (4-byte values padded to the slot; the driver reads sizeof(param) bytes from each slot)
+_SLOT_CODES = {"P": "Q", "q": "q", "Q": "Q", "i": "i4x", "f": "f4x"}
+
+
+def slot_struct(sig: str) -> struct.Struct:
+    """The packing of a kernel's scalar / pointer arguments, one 8-byte slot each, ``sig`` one letter per
+    argument (P pointer, q int64, Q uint64, i int32, f float32)."""
+    return struct.Struct("<" + "".join(_SLOT_CODES[c] for c in sig))
+
+
+class PreparedLaunch:
+    """One kernel of the current device launched with a fixed block size and dynamic shared memory, its
+    arguments packed into a parameter buffer allocated once (no per-call allocation, no CuPy argument
+    processing): ``cuLaunchKernel`` copies the parameters when it is called, so the buffer is reused at once.
+
+    Args:
+        fn: a ``cupy.RawKernel`` from :func:`function` (its shared memory already allowed: :func:`allow_dynamic_smem`).
+        block, smem: threads per block, dynamic shared memory bytes.
+        size: bytes of the parameter buffer (zero-filled; :meth:`write` puts the fixed bytes in).
+        arg_offsets: where each kernel parameter starts in the buffer (one entry per parameter of the C signature).
+        pack: packs one call's values into the buffer at ``pack_offset``.
+    """
+
+    __slots__ = ("kernel", "func", "block", "smem", "raw", "argv", "argv_ptr", "pack", "pack_offset")
+
+    def __init__(self, fn, block: int, smem: int, size: int, arg_offsets, pack: struct.Struct, pack_offset: int = 0):
+        self.kernel = fn  # keeps the module (and so the CUfunction) loaded
+        self.func = fn.kernel.ptr  # the CUfunction of the current device
+        self.block, self.smem = int(block), int(smem)
+        self.raw = (ctypes.c_char * max(8, size))()
+        base = ctypes.addressof(self.raw)
+        self.argv = (ctypes.c_void_p * len(arg_offsets))(*(base + o for o in arg_offsets))
+        self.argv_ptr = ctypes.addressof(self.argv)
+        self.pack, self.pack_offset = pack, pack_offset
+
+    def write(self, offset: int, data: bytes) -> None:
+        """Fixed bytes of every launch (e.g. a by-value struct's constant part)."""
+        self.raw[offset:offset + len(data)] = data
+
+    def __call__(self, grid: int, *values) -> None:
+        """Launch ``grid`` blocks on the current stream with ``values`` packed (in the order of ``pack``)."""
+        self.pack.pack_into(self.raw, self.pack_offset, *values)
+        _launch_raw(self.func, grid, self.block, self.smem, self.argv_ptr)
+
+
+_cuda = None  # (driver.launchKernel, cupy.cuda.get_current_stream, CUDADriverError), bound on first launch
+
+
+def _launch_raw(func: int, grid: int, block: int, smem: int, argv_ptr: int) -> None:
+    global _cuda
+    if _cuda is None:
+        import cupy
+        from cupy_backends.cuda.api import driver
+
+        _cuda = (driver.launchKernel, cupy.cuda.get_current_stream, driver.CUDADriverError)
+    launch, stream, error = _cuda
+    try:
+        launch(func, grid, 1, 1, block, 1, 1, smem, stream().ptr, argv_ptr, 0)
+    except error:
+        # CuPy's own launch makes the device's primary context current first; a thread that has not touched the
+        # runtime yet has none, and the driver refuses the launch: make it current, launch again (once)
+        if not _ensure_context():
+            raise
+        launch(func, grid, 1, 1, block, 1, 1, smem, stream().ptr, argv_ptr, 0)
+
+
+def _ensure_context() -> bool:
+    """Make the current device's primary context current if no context is; True if that was needed."""
+    import cupy
+    from cupy_backends.cuda.api import driver
+
+    if driver.ctxGetCurrent():
+        return False
+    cupy.cuda.runtime.setDevice(cupy.cuda.runtime.getDevice())
+    cupy.cuda.runtime.free(0)  # the runtime initialises and binds the primary context
+    return True
 
 
 def enable_compile_log() -> None:

@@ -263,6 +263,8 @@ class Buffer:
         arrive; :class:`EPError` names it). Raises ``RuntimeError`` after :meth:`close`."""
         self._check_open()
         for r in self._ranks:
+            if not r.err_host[0]:  # the status word: nothing more to read while it is 0 (every call reads it)
+                continue
             status, kernel, expert, src = (int(v) for v in r.err_host)
             if status:
                 what = ERROR_STATUS.get(status, f"error {status}")

@@ -26,7 +26,8 @@ import numpy as np
 from . import _kernels
 from .buffer import Buffer
 from .interop import torch_aware
-from .params import COMBINE_PARAMS_DTYPE, DISPATCH_PARAMS_DTYPE, kernel_argument, launch_record, pointer
+from .params import (COMBINE_PARAMS_DTYPE, DISPATCH_PARAMS_DTYPE, call_struct, kernel_argument, launch_record,
+                     pointer)
 from .formats import GLOBAL_SCALE_MAX, GLOBAL_SCALE_MIN
 
 PHASE_NOTIFY, PHASE_SEND, PHASE_RECV = 1, 2, 4
@@ -34,9 +35,24 @@ PHASE_NOTIFY, PHASE_SEND, PHASE_RECV = 1, 2, 4
 PHASE_LOCAL_X = 8
 MODE_PARTIAL, MODE_WEIGHTED, MODE_UNREDUCED = 0, 1, 2
 _THREADS = 512
+_F32 = np.dtype(np.float32)
+_I32 = np.dtype(np.int32)
+
+_cupy = None
 
 
-@dataclass
+def _cp():
+    """The cupy module (imported on first use, so ``import cuep`` loads no CUDA library; an ``import`` statement
+    per call would cost a microsecond)."""
+    global _cupy
+    if _cupy is None:
+        import cupy
+
+        _cupy = cupy
+    return _cupy
+
+
+@dataclass(slots=True)
 class Dispatched:
     """One rank's dispatch result (arrays live in the buffer and are reused by its next dispatch).
 
@@ -120,16 +136,18 @@ def _check_array(a, name: str, device: int, dtypes, ndim: int, layout: str = "",
     what was expected, what was given and what to do. ``layout`` (e.g. ``"[N, H]"``) describes the axes; ``hint`` is
     appended to the dtype message (where the expected dtype comes from); ``align``: the bytes the start address
     must be a multiple of (16 for rows the kernels move with 16-byte vectors, 4 for int32/float32 read one by one;
-    a misaligned address would be a fatal device fault, not an exception)."""
-    import cupy
+    a misaligned address would be a fatal device fault, not an exception).
 
-    if isinstance(a, np.ndarray):
-        raise TypeError(f"{name} is a numpy.ndarray (host memory); pass a CuPy array on GPU {device}: "
-                        f"`with cupy.cuda.Device({device}): {name.split('[')[0]} = cupy.asarray(...)`")
-    if not isinstance(a, cupy.ndarray):
+    O(1) host work: attributes CuPy stores (the memory pointer's device and address, the contiguity flag), no
+    objects built unless a check fails."""
+    if not isinstance(a, _cp().ndarray):
+        if isinstance(a, np.ndarray):
+            raise TypeError(f"{name} is a numpy.ndarray (host memory); pass a CuPy array on GPU {device}: "
+                            f"`with cupy.cuda.Device({device}): {name.split('[')[0]} = cupy.asarray(...)`")
         raise TypeError(f"{name} must be a cupy.ndarray on GPU {device}, got {type(a).__name__} "
                         f"(convert it with cupy.asarray on that device)")
-    if a.device.id != device:
+    mem = a.data
+    if mem.device_id != device:
         raise ValueError(f"{name} is on GPU {a.device.id}; this rank runs on GPU {device}: copy it there with "
                          f"`with cupy.cuda.Device({device}): a = a.copy()`")
     if a.ndim != ndim:
@@ -138,11 +156,19 @@ def _check_array(a, name: str, device: int, dtypes, ndim: int, layout: str = "",
         want = _dtype_names(dtypes)
         raise TypeError(f"{name} has dtype {a.dtype}; expected {want}{' ' + hint if hint else ''} "
                         f"(convert with .astype(...))")
-    if not a.flags.c_contiguous:
+    if not _c_contiguous(a):
         raise ValueError(f"{name} must be C-contiguous, got strides {a.strides} (use cupy.ascontiguousarray)")
-    if a.size and a.data.ptr % align:
+    if a.size and mem.ptr % align:
         raise ValueError(f"{name} starts at address {a.data.ptr:#x}, not on a {align}-byte boundary (the kernels "
                          f"read it with {align}-byte loads): pass a fresh array, e.g. {name.split('[')[0]}.copy()")
+
+
+def _c_contiguous(a) -> bool:
+    """``a.flags.c_contiguous`` without building the flags object (CuPy keeps the flag as ``_c_contiguous``)."""
+    try:
+        return a._c_contiguous
+    except AttributeError:
+        return a.flags.c_contiguous
 
 
 @functools.lru_cache(maxsize=1)
@@ -174,14 +200,14 @@ def _before_launch(buf: Buffer, source: str) -> None:
     (a peer died or did not arrive: :class:`cuep.EPError` naming it) marks the buffer failed: it refuses rounds
     until ``buf.reset()`` (:meth:`cuep.Buffer.check`).
     """
-    from .group import EPError
-
     group = buf.group
     if group.kind != "ipc":
         return
     first = source not in buf._launched
     if not (group.phase_barrier or first):
         return
+    from .group import EPError
+
     if group.phase_barrier:
         import cupy
 
@@ -262,6 +288,83 @@ def _launch(fn, buf: Buffer, threads: int, smem: int, params_dtype, ep, **call) 
     fn((_blocks(buf, threads),), (threads,), (kernel_argument(rec),), shared_mem=smem)
 
 
+class _Host:
+    """What a buffer's calls need on the host, worked out once per buffer (the host cost of a call: issue 24):
+    argument names per rank (for messages), sizes read from the config, the launch order per phase set, and the
+    prepared launches (:class:`cuep._kernels.PreparedLaunch`) per (rank, kernel, shared memory)."""
+
+    __slots__ = ("names", "orders", "launches", "hidden", "top_k", "max_tokens", "capacity", "fmt", "cdt",
+                 "combine_suffix", "where", "views")
+
+    def __init__(self, buf: Buffer):
+        cfg = buf.cfg
+        self.names = []
+        for r in buf._ranks:
+            tag = f"[rank {r.rank}]"
+            self.names.append({"tag": tag, **{a: f"{a}{tag}" for a in ("x", "topk_ids", "topk_weights",
+                                                                        "expert_out", "residual")}})
+        self.orders: dict = {}
+        self.launches: dict = {}
+        self.views: dict = {}  # combine outputs' leading-row views, per (rank, mode, N)
+        self.hidden, self.top_k, self.max_tokens = cfg.hidden, cfg.top_k, cfg.max_tokens_per_rank
+        self.capacity, self.fmt = cfg.capacity, cfg.fmt.name
+        self.cdt = _bf16() if cfg.combine_dtype == "bfloat16" else _F32
+        self.combine_suffix = "bf16" if cfg.combine_dtype == "bfloat16" else "f32"
+        self.where = f"(cfg.combine_dtype={cfg.combine_dtype!r})"
+
+    def order(self, buf: Buffer, phases: int) -> list:
+        o = self.orders.get(phases)
+        if o is None:
+            o = self.orders[phases] = _launch_order(buf, phases)
+        return o
+
+
+def _host(buf: Buffer) -> _Host:
+    h = buf._launch_cache.get("host")
+    if h is None:
+        h = buf._launch_cache["host"] = _Host(buf)
+    return h
+
+
+# The call fields of DispatchArgs / CombineArgs that change from call to call, at the head and the tail of the struct;
+# the ones between are the rank's persistent arrays, written once into the prepared launch.
+_CALL_FIELDS = {"dispatch": (("x", "topk_ids", "topk_weights"), ("num_tokens", "global_scale", "phases")),
+                "combine": (("expert_out",), ("topk_ids", "topk_weights", "residual", "out", "num_tokens", "mode",
+                                              "phases"))}
+
+
+def _combine_fixed(r) -> dict:
+    """A rank's arrays that every combine launch reads, as CombineArgs pointer fields."""
+    return {name: pointer(getattr(r, name)) for name in (
+        "src_info", "row_src", "row_weight", "msg_rows", "msg_token", "msg_j", "msg_count", "row_offsets")}
+
+
+def _prepared(buf: Buffer, i: int, name: str, threads: int, smem: int):
+    """(the prepared launch of kernel ``file.cu:name`` for local rank ``i``, the rank's fixed pointer values in
+    order): made on first use on the rank's device (the current one), then reused by every call."""
+    host = _host(buf)
+    key = (i, name, smem)
+    hit = host.launches.get(key)
+    if hit is not None:
+        return hit
+    from ._kernels import PreparedLaunch
+
+    r = buf._ranks[i]
+    kind = "dispatch" if name.startswith("dispatch.cu:") else "combine"
+    dtype = DISPATCH_PARAMS_DTYPE if kind == "dispatch" else COMBINE_PARAMS_DTYPE
+    fixed = _dispatch_outputs(r) if kind == "dispatch" else _combine_fixed(r)
+    pack, offset, names = call_struct(dtype)
+    head, tail = _CALL_FIELDS[kind]
+    if names[:len(head)] != head or names[len(names) - len(tail):] != tail or \
+            set(names[len(head):len(names) - len(tail)]) != set(fixed):
+        raise RuntimeError(f"cuep.params {kind} call fields {names} do not match ep.py's {head} ... {tail}")
+    fn = _kernel(name, smem)
+    launch = PreparedLaunch(fn, threads, smem, dtype.itemsize, (0,), pack, offset)
+    launch.write(dtype.fields["ep"][1], r.params.tobytes())
+    hit = host.launches[key] = (launch, tuple(fixed[n] for n in names[len(head):len(names) - len(tail)]))
+    return hit
+
+
 def _dispatch_outputs(r) -> dict:
     """A rank's dispatch outputs and handle arrays as DispatchArgs pointer fields."""
     return {name: pointer(getattr(r, attr)) for name, attr in (
@@ -279,32 +382,41 @@ def _kernel(name: str, smem: int):
     return fn
 
 
-def _validate_dispatch(buf, xs, ids, ws, global_scale):
-    cfg = buf.cfg
+def _check_global_scale(global_scale) -> None:
+    # a float in range as float64 is in range as float32 too (the bounds are powers of two, rounding is monotonic)
+    if type(global_scale) is float and GLOBAL_SCALE_MIN <= global_scale <= GLOBAL_SCALE_MAX:
+        return
     if isinstance(global_scale, (bool, np.bool_)) or not (
             isinstance(global_scale, (int, float, np.integer, np.floating)) and math.isfinite(global_scale)
             and GLOBAL_SCALE_MIN <= np.float32(global_scale) <= GLOBAL_SCALE_MAX):
         raise ValueError(f"global_scale={global_scale!r} must be a finite positive number in [2**-100, 2**100] "
                          "(nvfp4's global scale, as float32)")
+
+
+def _validate_dispatch(buf, xs, ids, ws, global_scale):
+    _check_global_scale(global_scale)
+    host = _host(buf)
+    hidden, top_k, max_tokens = host.hidden, host.top_k, host.max_tokens
+    x_dtypes = (_bf16(), _F32)
     for i, r in enumerate(buf._ranks):
-        tag = f"[rank {r.rank}]"
-        _check_array(xs[i], f"x{tag}", r.device, (_bf16(), np.dtype(np.float32)), 2, "[N, H]")
+        names = host.names[i]
+        _check_array(xs[i], names["x"], r.device, x_dtypes, 2, "[N, H]")
         n, h = xs[i].shape
-        if h != cfg.hidden:
-            raise ValueError(f"x{tag} has shape {xs[i].shape}: {h} columns, but cfg.hidden is {cfg.hidden}")
-        if n > cfg.max_tokens_per_rank:
-            raise ValueError(f"x{tag} has {n} tokens (shape {xs[i].shape}), more than cfg.max_tokens_per_rank="
-                             f"{cfg.max_tokens_per_rank}: split the batch, or build the Buffer with a larger "
+        if h != hidden:
+            raise ValueError(f"{names['x']} has shape {xs[i].shape}: {h} columns, but cfg.hidden is {hidden}")
+        if n > max_tokens:
+            raise ValueError(f"{names['x']} has {n} tokens (shape {xs[i].shape}), more than cfg.max_tokens_per_rank="
+                             f"{max_tokens}: split the batch, or build the Buffer with a larger "
                              f"max_tokens_per_rank")
-        _check_array(ids[i], f"topk_ids{tag}", r.device, (np.dtype(np.int32),), 2, "[N, top_k]", align=4)
-        if ids[i].shape != (n, cfg.top_k):
-            raise ValueError(f"topk_ids{tag} has shape {ids[i].shape}; expected ({n}, {cfg.top_k}) = "
-                             f"(tokens of x{tag}, top_k)")
+        _check_array(ids[i], names["topk_ids"], r.device, (_I32,), 2, "[N, top_k]", align=4)
+        if ids[i].shape != (n, top_k):
+            raise ValueError(f"{names['topk_ids']} has shape {ids[i].shape}; expected ({n}, {top_k}) = "
+                             f"(tokens of {names['x']}, top_k)")
         if ws[i] is not None:
-            _check_array(ws[i], f"topk_weights{tag}", r.device, (np.dtype(np.float32),), 2, "[N, top_k]", align=4)
-            if ws[i].shape != (n, cfg.top_k):
-                raise ValueError(f"topk_weights{tag} has shape {ws[i].shape}; expected ({n}, {cfg.top_k}) = "
-                                 f"(tokens of x{tag}, top_k)")
+            _check_array(ws[i], names["topk_weights"], r.device, (_F32,), 2, "[N, top_k]", align=4)
+            if ws[i].shape != (n, top_k):
+                raise ValueError(f"{names['topk_weights']} has shape {ws[i].shape}; expected ({n}, {top_k}) = "
+                                 f"(tokens of {names['x']}, top_k)")
 
 
 def _validate_ids(buf: Buffer, ids: list) -> None:
@@ -330,8 +442,6 @@ def _validate_ids(buf: Buffer, ids: list) -> None:
 
 
 def _dispatch(buf: Buffer, x, topk_ids, topk_weights, global_scale: float, phases: int, validate: bool = False):
-    import cupy
-
     call = "cuep.dispatch" if phases & PHASE_RECV else "cuep.dispatch_async"
     _check_buffer(buf, "cuep.dispatch")
     buf.check()
@@ -342,25 +452,34 @@ def _dispatch(buf: Buffer, x, topk_ids, topk_weights, global_scale: float, phase
     _check_nothing_pending(buf, call)
     if validate:
         _validate_ids(buf, ids)
-    cfg = buf.cfg
+    host = _host(buf)
+    bf16 = _bf16()
     results = []
     for i, r in enumerate(buf._ranks):
         results.append(Dispatched(
             tokens=r.tokens, scales=r.scales, row_offsets=r.row_offsets, expert_ids=r.expert_ids,
-            src_info=r.src_info, scales_offsets=r.scales_offsets, rank=r.rank, num_tokens=int(xs[i].shape[0]),
+            src_info=r.src_info, scales_offsets=r.scales_offsets, rank=r.rank, num_tokens=xs[i].shape[0],
             _topk_ids=ids[i], _has_weights=ws[i] is not None, _buffer=buf))
     # every launch of a call that sends and receives says so, so a rank's send and receive phases agree on it
     local_x = PHASE_LOCAL_X if (phases & PHASE_SEND and phases & PHASE_RECV) else 0
-    for i, ph in _launch_order(buf, phases):
-        r = buf._ranks[i]
-        with cupy.cuda.Device(r.device):
-            src = "bf16" if xs[i].dtype == _bf16() else "f32"
-            threads, smem = _dispatch_launch(buf, staged=cfg.fmt.name != "bf16" or src != "bf16")
-            fn = _kernel(f"dispatch.cu:cuep_dispatch_{cfg.fmt.name}_from_{src}", smem)
+    runtime = _cp().cuda.runtime
+    home = dev = runtime.getDevice()
+    try:
+        for i, ph in host.order(buf, phases):
+            r = buf._ranks[i]
+            if r.device != dev:
+                runtime.setDevice(r.device)
+                dev = r.device
+            src = "bf16" if xs[i].dtype == bf16 else "f32"
+            threads, smem = _dispatch_launch(buf, staged=host.fmt != "bf16" or src != "bf16")
+            launch, fixed = _prepared(buf, i, f"dispatch.cu:cuep_dispatch_{host.fmt}_from_{src}", threads, smem)
             _before_launch(buf, "dispatch.cu")
-            _launch(fn, buf, threads, smem, DISPATCH_PARAMS_DTYPE, r.params, x=pointer(xs[i]),
-                    topk_ids=pointer(ids[i]), topk_weights=pointer(ws[i]), num_tokens=xs[i].shape[0],
-                    global_scale=global_scale, phases=ph | local_x, **_dispatch_outputs(r))
+            w = ws[i]
+            launch(buf.num_sms, xs[i].data.ptr, ids[i].data.ptr, 0 if w is None else w.data.ptr, *fixed,
+                   results[i].num_tokens, global_scale, ph | local_x)
+    finally:
+        if dev != home:
+            runtime.setDevice(home)
     rounds = buf._rounds
     rounds["dispatches"] += 1
     for d in results:
@@ -417,8 +536,6 @@ def dispatch_wait(pending):
     is pending, e.g. a second dispatch_wait or the results of a synchronous dispatch; ``ValueError`` for an earlier
     dispatch's results). Returns ``pending``, now valid for :func:`combine`.
     """
-    import cupy
-
     items = list(pending) if isinstance(pending, (list, tuple)) else [pending]
     bad = next((d for d in items if not isinstance(d, Dispatched)), None) if items else pending
     if bad is not None:
@@ -443,16 +560,23 @@ def dispatch_wait(pending):
     if any(d._seq != p[1] for d in items):
         raise ValueError("dispatch_wait got the results of an earlier dispatch; pass what the pending "
                          "dispatch_async returned")
-    cfg = buf.cfg
+    host = _host(buf)
     threads, smem = _dispatch_launch(buf, staged=False)
-    for i, ph in _launch_order(buf, PHASE_RECV):
-        r = buf._ranks[i]
-        d = by_rank[r.rank]
-        with cupy.cuda.Device(r.device):
-            fn = _kernel(f"dispatch.cu:cuep_dispatch_{cfg.fmt.name}_from_bf16", smem)
+    runtime = _cp().cuda.runtime
+    home = dev = runtime.getDevice()
+    try:
+        for i, ph in host.order(buf, PHASE_RECV):
+            r = buf._ranks[i]
+            d = by_rank[r.rank]
+            if r.device != dev:
+                runtime.setDevice(r.device)
+                dev = r.device
+            launch, fixed = _prepared(buf, i, f"dispatch.cu:cuep_dispatch_{host.fmt}_from_bf16", threads, smem)
             _before_launch(buf, "dispatch.cu")
-            _launch(fn, buf, threads, smem, DISPATCH_PARAMS_DTYPE, r.params, x=0, topk_ids=0, topk_weights=0,
-                    num_tokens=d.num_tokens, global_scale=1.0, phases=ph, **_dispatch_outputs(r))
+            launch(buf.num_sms, 0, 0, 0, *fixed, d.num_tokens, 1.0, ph)
+    finally:
+        if dev != home:
+            runtime.setDevice(home)
     buf._rounds["pending"] = None
     return pending
 
@@ -467,71 +591,88 @@ def _persistent_empty(shape: tuple, dtype):
     return cupy.ndarray(shape, dtype, cupy.get_default_memory_pool().malloc(math.prod(shape) * dtype.itemsize))
 
 
-def _combine(buf: Buffer, expert_out, dispatched, topk_weights, residual, phases: int):
-    import cupy
+_COMBINE_CALLS = {PHASE_RECV: "cuep.combine_wait", PHASE_NOTIFY | PHASE_SEND: "cuep.combine_async"}
 
-    call = {PHASE_RECV: "cuep.combine_wait", PHASE_NOTIFY | PHASE_SEND: "cuep.combine_async"}.get(phases,
-                                                                                                 "cuep.combine")
+
+def _combine_out(buf: Buffer, host: _Host, i: int, mode: int, N: int):
+    """Local rank ``i``'s combine output of ``N`` tokens: leading rows of its persistent array (allocated on first
+    use), the view made once per (rank, mode, N)."""
+    key = (i, mode, N)
+    out = host.views.get(key)
+    if out is not None:
+        return out
+    r = buf._ranks[i]
+    cfg = buf.cfg
+    with _cp().cuda.Device(r.device):
+        T, H, K = cfg.max_tokens_per_rank, cfg.hidden, cfg.top_k
+        if mode == MODE_UNREDUCED:
+            if r.combined_unreduced is None:
+                r.combined_unreduced = _persistent_empty((T, K + int(cfg.fused_shared_expert), H), host.cdt)
+            out = r.combined_unreduced[:N]
+        else:
+            if r.combined is None:
+                r.combined = _persistent_empty((T, H), host.cdt)
+            out = r.combined[:N]
+    if len(host.views) >= 256:  # many distinct token counts: keep the cache small
+        host.views.clear()
+    host.views[key] = out
+    return out
+
+
+def _combine(buf: Buffer, expert_out, dispatched, topk_weights, residual, phases: int):
+    call = _COMBINE_CALLS.get(phases, "cuep.combine")
     _check_buffer(buf, "cuep.combine")
     buf.check()
     rounds = buf._rounds
-    cfg = buf.cfg
+    host = _host(buf)
     n = len(buf._ranks)
     ds = _as_list(dispatched, n, "dispatched")
     eos = _as_list(expert_out, n, "expert_out")
     ws = _as_list(topk_weights, n, "topk_weights") if topk_weights is not None else [None] * n
     res = _as_list(residual, n, "residual") if residual is not None else [None] * n
-    cdt = _bf16() if cfg.combine_dtype == "bfloat16" else np.dtype(np.float32)
+    cdts = (host.cdt,)
+    hidden, top_k, capacity = host.hidden, host.top_k, host.capacity
     outs, modes = [], []
     for i, r in enumerate(buf._ranks):
-        tag = f"[rank {r.rank}]"
+        names = host.names[i]
         d = ds[i]
         if not isinstance(d, Dispatched):
-            raise TypeError(f"dispatched{tag} must be the cuep.Dispatched that dispatch returned for rank "
+            raise TypeError(f"dispatched{names['tag']} must be the cuep.Dispatched that dispatch returned for rank "
                             f"{r.rank}, got {type(d).__name__}")
         if d._buffer is not buf:
-            raise ValueError(f"dispatched{tag} was returned by a different cuep.Buffer; combine on the buffer that "
-                             f"dispatched it")
+            raise ValueError(f"dispatched{names['tag']} was returned by a different cuep.Buffer; combine on the "
+                             f"buffer that dispatched it")
         if d.rank != r.rank:
-            raise ValueError(f"dispatched{tag} is the result of rank {d.rank}; pass the list dispatch returned, in "
-                             f"its order (entry i belongs to local rank i)")
+            raise ValueError(f"dispatched{names['tag']} is the result of rank {d.rank}; pass the list dispatch "
+                             f"returned, in its order (entry i belongs to local rank i)")
         if d._seq != rounds["dispatches"]:
-            raise ValueError(f"dispatched{tag} is the result of an earlier dispatch on this buffer, whose outputs the "
-                             f"latest dispatch overwrote: combine the latest dispatch's results")
-        where = f"cfg.combine_dtype={cfg.combine_dtype!r}"
-        _check_array(eos[i], f"expert_out{tag}", r.device, (cdt,), 2, "[capacity, H]", f"({where})")
-        if eos[i].shape[0] < cfg.capacity or eos[i].shape[1] != cfg.hidden:
-            raise ValueError(f"expert_out{tag} has shape {eos[i].shape}; expected at least ({cfg.capacity}, "
-                             f"{cfg.hidden}) = (cfg.capacity, hidden): row i is the output of dispatched row i, so "
+            raise ValueError(f"dispatched{names['tag']} is the result of an earlier dispatch on this buffer, whose "
+                             f"outputs the latest dispatch overwrote: combine the latest dispatch's results")
+        eo = eos[i]
+        _check_array(eo, names["expert_out"], r.device, cdts, 2, "[capacity, H]", host.where)
+        shape = eo.shape
+        if shape[0] < capacity or shape[1] != hidden:
+            raise ValueError(f"{names['expert_out']} has shape {shape}; expected at least ({capacity}, "
+                             f"{hidden}) = (cfg.capacity, hidden): row i is the output of dispatched row i, so "
                              f"allocate cfg.capacity rows")
         N = d.num_tokens
         if ws[i] is not None:
-            _check_array(ws[i], f"topk_weights{tag}", r.device, (np.dtype(np.float32),), 2, "[N, top_k]", align=4)
-            if ws[i].shape != (N, cfg.top_k):
-                raise ValueError(f"topk_weights{tag} has shape {ws[i].shape}; expected ({N}, {cfg.top_k}) = "
+            _check_array(ws[i], names["topk_weights"], r.device, (_F32,), 2, "[N, top_k]", align=4)
+            if ws[i].shape != (N, top_k):
+                raise ValueError(f"{names['topk_weights']} has shape {ws[i].shape}; expected ({N}, {top_k}) = "
                                  f"(tokens dispatched by rank {r.rank}, top_k)")
             mode = MODE_WEIGHTED
         else:
             mode = MODE_PARTIAL if d._has_weights else MODE_UNREDUCED
         if res[i] is not None:
             if mode == MODE_UNREDUCED:
-                raise ValueError(f"residual{tag} is added to the weighted sum, but there are no topk_weights (not "
-                                 f"given to dispatch nor to combine): pass topk_weights, or leave residual out")
-            _check_array(res[i], f"residual{tag}", r.device, (cdt,), 2, "[N, H]", f"({where})")
-            if res[i].shape != (N, cfg.hidden):
-                raise ValueError(f"residual{tag} has shape {res[i].shape}; expected ({N}, {cfg.hidden}) = "
+                raise ValueError(f"{names['residual']} is added to the weighted sum, but there are no topk_weights "
+                                 f"(not given to dispatch nor to combine): pass topk_weights, or leave residual out")
+            _check_array(res[i], names["residual"], r.device, cdts, 2, "[N, H]", host.where)
+            if res[i].shape != (N, hidden):
+                raise ValueError(f"{names['residual']} has shape {res[i].shape}; expected ({N}, {hidden}) = "
                                  f"(tokens dispatched by rank {r.rank}, hidden)")
-        with cupy.cuda.Device(r.device):
-            T, H, K = cfg.max_tokens_per_rank, cfg.hidden, cfg.top_k
-            if mode == MODE_UNREDUCED:
-                if r.combined_unreduced is None:
-                    r.combined_unreduced = _persistent_empty((T, K + int(cfg.fused_shared_expert), H), cdt)
-                out = r.combined_unreduced[:N]
-            else:
-                if r.combined is None:
-                    r.combined = _persistent_empty((T, H), cdt)
-                out = r.combined[:N]
-        outs.append(out)
+        outs.append(_combine_out(buf, host, i, mode, N))
         modes.append(mode)
     p = rounds["pending"]  # the order of halves, once the arguments are known to be right
     if phases != PHASE_RECV:
@@ -547,19 +688,26 @@ def _combine(buf: Buffer, expert_out, dispatched, topk_weights, residual, phases
         if [pointer(e) for e in eos] != p[3]:
             raise ValueError(f"{call}: expert_out is not the array(s) given to combine_async (the receive reads "
                              f"them too): pass combine_wait the same arguments as combine_async")
-    suffix = "bf16" if cfg.combine_dtype == "bfloat16" else "f32"
-    for i, ph in _launch_order(buf, phases):
-        r, d = buf._ranks[i], ds[i]
-        with cupy.cuda.Device(r.device):
-            smem = COMBINE_RING_BYTES if (ph & PHASE_SEND and suffix == "bf16" and modes[i] == MODE_PARTIAL) else 0
-            fn = _kernel(f"combine.cu:cuep_combine_{suffix}", smem)
+    ring = host.combine_suffix == "bf16"
+    name = f"combine.cu:cuep_combine_{host.combine_suffix}"
+    runtime = _cp().cuda.runtime
+    home = dev = runtime.getDevice()
+    try:
+        for i, ph in host.order(buf, phases):
+            r, d = buf._ranks[i], ds[i]
+            if r.device != dev:
+                runtime.setDevice(r.device)
+                dev = r.device
+            mode = modes[i]
+            smem = COMBINE_RING_BYTES if (ph & PHASE_SEND and ring and mode == MODE_PARTIAL) else 0
+            launch, fixed = _prepared(buf, i, name, _THREADS, smem)
             _before_launch(buf, "combine.cu")
-            _launch(fn, buf, _THREADS, smem, COMBINE_PARAMS_DTYPE, r.params, expert_out=pointer(eos[i]),
-                    src_info=pointer(r.src_info), row_src=pointer(r.row_src), row_weight=pointer(r.row_weight),
-                    msg_rows=pointer(r.msg_rows), msg_token=pointer(r.msg_token), msg_j=pointer(r.msg_j),
-                    msg_count=pointer(r.msg_count), row_offsets=pointer(r.row_offsets),
-                    topk_ids=pointer(d._topk_ids), topk_weights=pointer(ws[i]), residual=pointer(res[i]),
-                    out=pointer(outs[i]), num_tokens=d.num_tokens, mode=modes[i], phases=ph)
+            w, rs = ws[i], res[i]
+            launch(buf.num_sms, eos[i].data.ptr, *fixed, d._topk_ids.data.ptr, 0 if w is None else w.data.ptr,
+                   0 if rs is None else rs.data.ptr, outs[i].data.ptr, d.num_tokens, mode, ph)
+    finally:
+        if dev != home:
+            runtime.setDevice(home)
     # combine_async leaves its half pending (with what its receive must see again); combine_wait finishes it
     rounds["pending"] = ("combine", rounds["dispatches"], modes, [pointer(e) for e in eos]) \
         if phases == PHASE_NOTIFY | PHASE_SEND else None

@@ -62,15 +62,26 @@ def _is_torch_arg(a, tensor) -> bool:
     if isinstance(a, tensor) or getattr(a, "_torch", False) is True:  # a Dispatched of a torch call
         return True
     if isinstance(a, (list, tuple)):
-        return any(isinstance(v, tensor) or getattr(v, "_torch", False) is True for v in a)
+        for v in a:
+            if isinstance(v, tensor) or getattr(v, "_torch", False) is True:
+                return True
     return False
 
 
 def _wants_torch(args, kwargs) -> bool:
-    tensor = _tensor_type()
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    tensor = getattr(torch, "Tensor", None)
     if tensor is None:
         return False
-    return any(_is_torch_arg(a, tensor) for a in args) or any(_is_torch_arg(a, tensor) for a in kwargs.values())
+    for a in args:  # plain loops: this runs on every call with torch imported, torch arguments or not
+        if _is_torch_arg(a, tensor):
+            return True
+    for a in kwargs.values():
+        if _is_torch_arg(a, tensor):
+            return True
+    return False
 
 
 # ---- dtypes -----------------------------------------------------------------------------------------------------

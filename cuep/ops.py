@@ -38,6 +38,20 @@ _ROW_OFFSET_DTYPES = tuple(np.dtype(t) for t in (np.int32, np.uint32, np.int64, 
 _DTYPE_SUFFIX = {_BF16: "bf16", _F32: "f32"}
 
 
+_cupy = None
+
+
+def _cp():
+    """The cupy module, imported on first use (``import cuep`` loads no CUDA library; an ``import`` statement per
+    call would cost a microsecond of the call's host time)."""
+    global _cupy
+    if _cupy is None:
+        import cupy
+
+        _cupy = cupy
+    return _cupy
+
+
 # ---- argument checks ------------------------------------------------------------------------------------------
 def _check_array(a, argname: str, dtypes, ndim: int, shape=None, align: int = 16) -> None:
     """Type, dtype, ndim, exact shape (None entries are free), C-contiguity, device and alignment of a CuPy array.
@@ -45,32 +59,45 @@ def _check_array(a, argname: str, dtypes, ndim: int, shape=None, align: int = 16
     ``align``: the start address must be a multiple of it (16: the kernels move rows and scales with 16-byte
     vectors; 0: the dtype's itemsize). Fresh CuPy/torch allocations are 256-byte aligned; a view at an odd offset
     of a larger allocation is not, and a misaligned load would be a fatal device fault rather than an exception.
+    O(1) host work: attributes CuPy stores, no objects built unless a check fails.
     """
-    import cupy
-    if isinstance(a, np.ndarray):
-        raise TypeError(f"{argname} must be a cupy.ndarray, got numpy.ndarray (host memory): move it to the GPU "
-                        f"first with cupy.asarray(...)")
+    cupy = _cp()
     if not isinstance(a, cupy.ndarray):
+        if isinstance(a, np.ndarray):
+            raise TypeError(f"{argname} must be a cupy.ndarray, got numpy.ndarray (host memory): move it to the GPU "
+                            f"first with cupy.asarray(...)")
         raise TypeError(f"{argname} must be a cupy.ndarray, got {type(a).__name__} (convert it with cupy.asarray)")
-    dtypes = tuple(np.dtype(d) for d in dtypes)
-    if a.dtype not in dtypes:
+    if a.dtype not in dtypes:  # a dtype equals its scalar type too; the message spells them as dtypes
+        dtypes = tuple(np.dtype(d) for d in dtypes)
         raise TypeError(f"{argname} must have dtype {' or '.join(str(d) for d in dtypes)}, got {a.dtype} "
                         f"(convert with .astype(...))")
     if a.ndim != ndim:
         raise ValueError(f"{argname} must be {ndim}-D, got shape {a.shape}")
-    if shape is not None and any(want is not None and got != want for got, want in zip(a.shape, shape)):
-        want_s = ", ".join("*" if w is None else str(w) for w in shape)
-        raise ValueError(f"{argname} must have shape [{want_s}], got {a.shape}")
-    if not a.flags.c_contiguous:
+    if shape is not None:
+        got = a.shape
+        for k in range(min(len(got), len(shape))):
+            if shape[k] is not None and got[k] != shape[k]:
+                want_s = ", ".join("*" if w is None else str(w) for w in shape)
+                raise ValueError(f"{argname} must have shape [{want_s}], got {a.shape}")
+    if not _c_contiguous(a):
         raise ValueError(f"{argname} must be C-contiguous (the kernels ignore strides); use cupy.ascontiguousarray")
-    dev = cupy.cuda.Device().id
-    if a.device.id != dev:
+    mem = a.data
+    dev = cupy.cuda.runtime.getDevice()
+    if mem.device_id != dev:
         raise ValueError(f"{argname} is on device {a.device.id}, but the current device is {dev}: call the op "
                          f"inside `with cupy.cuda.Device({a.device.id}):`, or copy the array to device {dev}")
     align = align or a.dtype.itemsize
-    if a.size and a.data.ptr % align:
+    if a.size and mem.ptr % align:
         raise ValueError(f"{argname} starts at address {a.data.ptr:#x}, not on a {align}-byte boundary (the kernels "
                          f"read it with {align}-byte loads): pass a fresh array, e.g. a .copy()")
+
+
+def _c_contiguous(a) -> bool:
+    """``a.flags.c_contiguous`` without building the flags object (CuPy keeps the flag as ``_c_contiguous``)."""
+    try:
+        return a._c_contiguous
+    except AttributeError:
+        return a.flags.c_contiguous
 
 
 def _check_global_scale(global_scale) -> np.float32:
@@ -119,7 +146,7 @@ def _check_row_offsets(row_offsets, capacity_name: str, capacity: int) -> tuple[
     if capacity > _INT32_MAX:
         raise ValueError(f"{capacity_name}={capacity} rows exceed int32")
     if row_offsets.dtype.itemsize == 4:
-        ro = row_offsets.view(np.int32)   # uint32 offsets < 2**31 read the same as int32
+        ro = row_offsets   # the kernels read it as int32: uint32 offsets < 2**31 read the same
     else:
         ro = row_offsets.astype(np.int32)  # a device-side cast: no host sync
     return ro, n_groups
@@ -156,22 +183,36 @@ def _silu_ring_bytes() -> int:
     return _SILU_STAGES * _SILU_STAGE_BYTES * (_THREADS // _WARP)
 
 
-def _launch(filename: str, name: str, work_blocks: int, args: tuple, smem: int = 0) -> None:
-    kern = _kernel(filename, name)
-    _kernels.allow_dynamic_smem(kern, smem)
-    grid = _grid(filename, name, kern, work_blocks, smem)
-    kern((grid,), (_THREADS,), args, shared_mem=smem)
+_prepared: dict[tuple, tuple] = {}
+
+
+def _launch(filename: str, name: str, work_blocks: int, sig: str, *args, smem: int = 0) -> None:
+    """Launch the grid-stride kernel ``filename:name`` on the current device and stream with ``args``, its C
+    parameters in order as ``sig`` spells them (P a device pointer as an int, q int64, i int32, f float32).
+
+    The launch (kernel, block, shared memory, largest useful grid, parameter buffer) is prepared once per (kernel,
+    device, shared memory) and reused: per call only the arguments are packed (:class:`cuep._kernels.PreparedLaunch`).
+    """
+    dev = _cp().cuda.runtime.getDevice()
+    key = (filename, name, dev, smem)
+    hit = _prepared.get(key)
+    if hit is None:
+        kern = _kernel(filename, name)
+        _kernels.allow_dynamic_smem(kern, smem)
+        max_grid = _grid(filename, name, kern, 2**31 - 1, smem)
+        slots = tuple(range(0, 8 * len(sig), 8))
+        launch = _kernels.PreparedLaunch(kern, _THREADS, smem, 8 * len(sig), slots, _kernels.slot_struct(sig))
+        hit = _prepared[key] = (launch, max_grid, sig)
+    launch, max_grid, want = hit
+    if sig != want:
+        raise RuntimeError(f"{filename}:{name} launched with parameters {sig!r}, earlier with {want!r}")
+    launch(max(1, min(int(work_blocks), max_grid)), *args)
 
 
 def _warp_item_blocks(n_rows: int, hidden: int) -> int:
     """Blocks that give every (row, warp step) its own warp: an upper bound on the useful grid."""
     warps = n_rows * ceil_div(hidden, _WARP * _LANE_VALUES)
     return ceil_div(warps, _THREADS // _WARP)
-
-
-def _bits(a: cupy.ndarray) -> cupy.ndarray:
-    """bf16 arrays travel to the kernels as their uint16 bits."""
-    return a.view(np.uint16) if a.dtype == _BF16 else a
 
 
 def _swizzle_tiles(capacity: int, n_groups: int) -> int:
@@ -197,7 +238,7 @@ def quantize(x: cupy.ndarray, fmt: str, global_scale: float = 1.0, out=None) -> 
     Raises:
         TypeError, ValueError: naming ``fmt``, ``x``, ``global_scale`` or ``out``.
     """
-    import cupy
+    cupy = _cp()
     f = get_format(fmt, "fmt")
     _check_array(x, "x", (_F32, _BF16), 2)
     n, h = x.shape
@@ -216,8 +257,8 @@ def quantize(x: cupy.ndarray, fmt: str, global_scale: float = 1.0, out=None) -> 
         payload[...] = x.view(_U8)
         return payload, scales
     name = f"quantize_{f.name}_{_DTYPE_SUFFIX[x.dtype]}"
-    _launch("quantize.cu", name, _warp_item_blocks(n, h),
-            (_bits(x), payload, scales, np.int64(n), np.int32(h), g))
+    _launch("quantize.cu", name, _warp_item_blocks(n, h), "PPPqif", x.data.ptr, payload.data.ptr, scales.data.ptr,
+            n, h, g)
     return payload, scales
 
 
@@ -241,7 +282,7 @@ def dequantize(payload: cupy.ndarray, scales: cupy.ndarray, fmt: str, hidden: in
     Raises:
         TypeError, ValueError: naming the argument.
     """
-    import cupy
+    cupy = _cp()
     f = get_format(fmt, "fmt")
     hidden = _check_hidden_arg(f, hidden)
     _check_array(payload, "payload", (_U8,), 2, (None, f.payload_bytes(hidden)))
@@ -254,8 +295,8 @@ def dequantize(payload: cupy.ndarray, scales: cupy.ndarray, fmt: str, hidden: in
         _check_array(out, "out", (_F32,), 2, (n, hidden))
     if n == 0:
         return out
-    _launch("quantize.cu", f"dequantize_{f.name}", _warp_item_blocks(n, hidden),
-            (payload, scales, out, np.int64(n), np.int32(hidden), g))
+    _launch("quantize.cu", f"dequantize_{f.name}", _warp_item_blocks(n, hidden), "PPPqif", payload.data.ptr,
+            scales.data.ptr, out.data.ptr, n, hidden, g)
     return out
 
 
@@ -284,7 +325,7 @@ def swizzle_block_scales(scales: cupy.ndarray, row_offsets: cupy.ndarray, fmt: s
     Raises:
         TypeError, ValueError: naming the argument.
     """
-    import cupy
+    cupy = _cp()
     f = get_format(fmt, "fmt")
     if not f.swizzled_scales:
         raise ValueError(f"fmt={fmt!r} has no swizzled block scales; use 'nvfp4' or 'mxfp4'")
@@ -303,9 +344,8 @@ def swizzle_block_scales(scales: cupy.ndarray, row_offsets: cupy.ndarray, fmt: s
         _check_array(scales_offsets, "out[1] (scales_offsets)", (_U32,), 1, (n_groups,))
     smem = 2 * (n_groups + 1) * 4
     work = max(rows_cap * k_tiles, n_groups * k_tiles * SCALE_TILE_ROWS)
-    _launch("quantize.cu", "swizzle_block_scales", ceil_div(work, _THREADS),
-            (scales, np.int64(rows_cap), np.int32(n_scales), ro, np.int32(n_groups), swizzled, scales_offsets,
-             np.int64(max_tiles)), smem)
+    _launch("quantize.cu", "swizzle_block_scales", ceil_div(work, _THREADS), "PqiPiPPq", scales.data.ptr, rows_cap,
+            n_scales, ro.data.ptr, n_groups, swizzled.data.ptr, scales_offsets.data.ptr, max_tiles, smem=smem)
     return swizzled, scales_offsets
 
 
@@ -341,7 +381,7 @@ def fused_silu(h: cupy.ndarray, row_offsets: cupy.ndarray, out_fmt: str = "bf16"
     Raises:
         TypeError, ValueError: naming the argument.
     """
-    import cupy
+    cupy = _cp()
     f = get_format(out_fmt, "out_fmt")
     _check_array(h, "h", (_F32, _BF16), 2)
     cap, width = h.shape
@@ -385,9 +425,8 @@ def fused_silu(h: cupy.ndarray, row_offsets: cupy.ndarray, out_fmt: str = "bf16"
     work = _warp_item_blocks(cap, inter)
     if f.swizzled_scales:
         work = max(work, ceil_div(n_groups * f.scale_k_tiles(inter) * SCALE_TILE_ROWS, _THREADS))
-    _launch("silu.cu", name, work,
-            (_bits(h), ro, np.int32(n_groups), np.int64(cap), np.int32(inter), _bits(outs[0]), scales,
-             scales_offsets, np.int64(max_tiles), g), smem)
+    _launch("silu.cu", name, work, "PPiqiPPPqf", h.data.ptr, ro.data.ptr, n_groups, cap, inter, outs[0].data.ptr,
+            scales.data.ptr, scales_offsets.data.ptr, max_tiles, g, smem=smem)
     return result
 
 

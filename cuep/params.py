@@ -8,6 +8,8 @@ nvcc that checks every field's offset and every struct's size against these dtyp
 """
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 
 MAX_RANKS = 8  # kMaxRanks: entries of peer_base
@@ -92,6 +94,26 @@ def launch_record(dtype: np.dtype, ep: np.ndarray, **call) -> np.ndarray:
     rec["ep"] = ep
     rec["call"] = np.array(tuple(call[n] for n in args.names), dtype=args)
     return rec
+
+
+_STRUCT_CODES = {np.dtype(np.uint64): "Q", np.dtype(np.int64): "q", np.dtype(np.int32): "i",
+                 np.dtype(np.float32): "f"}
+
+
+def call_struct(dtype: np.dtype) -> tuple[struct.Struct, int, tuple[str, ...]]:
+    """The call part of a ``DispatchParams`` / ``CombineParams`` record as a ``struct.Struct`` that packs its fields
+    in C order (padding explicit, little-endian), the part's offset in the record and the field names: what a
+    prepared launch packs per call (the same bytes as :func:`launch_record`'s call part; tests/test_params.py)."""
+    args = dtype["call"]
+    fmt, pos = "<", 0
+    for name in args.names:
+        ftype, off = args.fields[name][:2]
+        if off < pos:
+            raise ValueError(f"field {name} overlaps the previous one")
+        fmt += "x" * (off - pos) + _STRUCT_CODES[ftype]
+        pos = off + ftype.itemsize
+    fmt += "x" * (args.itemsize - pos)
+    return struct.Struct(fmt), dtype.fields["call"][1], args.names
 
 
 def pointer(a) -> int:

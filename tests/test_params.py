@@ -108,3 +108,23 @@ def test_kernel_argument_is_the_record_bytes():
 
 def test_pointer():
     assert params.pointer(None) == 0
+
+
+@pytest.mark.parametrize("dtype", [params.DISPATCH_PARAMS_DTYPE, params.COMBINE_PARAMS_DTYPE])
+def test_call_struct_packs_the_record_bytes(dtype):
+    """A prepared launch packs the call part with params.call_struct: the same bytes as launch_record's."""
+    ep = params.ep_params({**{f: 5 + i for i, f in enumerate(params.EP_PARAMS_FIELDS)}, "peer_base": [9, 10]})
+    pack, offset, names = params.call_struct(dtype)
+    assert offset == dtype.fields["call"][1] and pack.size == dtype["call"].itemsize
+    values = {}
+    for i, n in enumerate(names):
+        kind = dtype["call"].fields[n][0]
+        values[n] = 0.375 if kind == np.float32 else (0x7F0000001000 + 16 * i if kind == np.uint64 else i - 3)
+    rec = params.launch_record(dtype, ep, **values)
+    raw = bytearray(dtype.itemsize)
+    raw[:offset] = ep.tobytes()
+    pack.pack_into(raw, offset, *(values[n] for n in names))
+    got = np.frombuffer(bytes(raw), dtype)  # field by field: launch_record leaves the struct's tail padding unset
+    assert got["ep"].tobytes() == rec["ep"].tobytes()
+    for n in names:
+        assert got["call"][n][0] == rec["call"][n][0], n
