@@ -431,3 +431,219 @@ def test_cli_quick_run_end_to_end(tmp_path):
     if n == 1:
         assert any("one GPU" in note for note in doc["meta"]["notes"])
         assert "one GPU" in res.stdout
+
+
+# ---- the single-GPU floor report (--floor) -----------------------------------------------------------------------
+# One rank, H = 256, K = 2, E = 4; tokens: [0, 1], [0, 2], [3, 0] -> expert counts 3, 1, 1, 1 (6 rows).
+FLOOR_IDS = np.array([[0, 1], [0, 2], [3, 0]], np.int32)
+
+
+def floor_cfg(fmt: str) -> cuep.EPConfig:
+    return cuep.EPConfig(hidden=256, top_k=2, n_experts=4, max_tokens_per_rank=3, n_gpus_per_node=1,
+                         dispatch_format=fmt)
+
+
+@pytest.mark.parametrize("fmt, payload, scales", [("bf16", 512, 0), ("fp8", 256, 8), ("nvfp4", 128, 16),
+                                                  ("mxfp4", 128, 8)])
+def test_floor_bytes_of_dispatch_by_hand(fmt, payload, scales):
+    b = traffic.floor_bytes("dispatch", floor_cfg(fmt), FLOOR_IDS)
+    r16 = lambda n: -(-n // 16) * 16  # noqa: E731
+    assert b["rows"] == 6
+    # x [3, 256] bf16 + ids and weights [3, 2] x 4 bytes
+    assert b["read"] == r16(3 * 256 * 2 + 2 * 3 * 2 * 4)
+    meta = 4 * 5 + 4 * 4 + (4 * 4 if fmt in ("nvfp4", "mxfp4") else 0)  # row_offsets, expert_ids, scales_offsets
+    assert b["write"] == r16(6 * (payload + scales + 8) + meta)
+    if fmt == "bf16":
+        assert b["write_layout"] == b["write"] and b["padded_rows"] == 6 and b["scale_tiles"] == 0
+    elif fmt == "fp8":  # every expert's rows padded to 4: 4 + 4 + 4 + 4 = 16 rows
+        assert b["padded_rows"] == 16
+        assert b["write_layout"] == r16(16 * (payload + scales + 8) + meta)
+    else:  # one 128-row tile per expert that has rows, k_tiles = ceil(n_scales / 4) blocks of 512 bytes each
+        n_scales = 256 // (16 if fmt == "nvfp4" else 32)
+        k_tiles = -(-n_scales // 4)
+        assert b["scale_tiles"] == 4 and b["padded_rows"] == 6
+        assert b["write_layout"] == r16(6 * (payload + 8) + 4 * k_tiles * 512 + meta)
+
+
+def test_floor_bytes_of_combine_by_hand():
+    b = traffic.floor_bytes("combine", floor_cfg("bf16"), FLOOR_IDS)
+    assert b["read"] == 6 * (256 * 2 + 8) and b["write"] == 3 * 256 * 2 == b["write_layout"]
+    assert b["rows"] == 6
+
+
+def test_floor_bytes_refuses_several_ranks_and_other_ops():
+    with pytest.raises(ValueError, match="one rank"):
+        traffic.floor_bytes("dispatch", hand_cfg("bf16"), HAND_IDS[0])
+    with pytest.raises(ValueError, match="op="):
+        traffic.floor_bytes("roundtrip", floor_cfg("bf16"), FLOOR_IDS)
+    empty = traffic.floor_bytes("dispatch", floor_cfg("fp8"), np.zeros((0, 2), np.int32))
+    assert empty["rows"] == 0 and empty["read"] == 0 and empty["padded_rows"] == 0
+
+
+def test_floor_bytes_at_the_issue_shape_match_the_measured_floors(rng):
+    """H = 7168, K = 8, E = 256, N = 4096: the floors of issue 24 (H200) were about 4 TB/s for every op, so the
+    byte counts must be those of its table: e.g. bf16 dispatch about 529 MB, nvfp4 about 191 MB."""
+    ids = traffic.random_routing(rng, 4096, 256, 8)
+    got = {}
+    for fmt in ("bf16", "fp8", "nvfp4", "mxfp4"):
+        cfg = cuep.EPConfig(hidden=7168, top_k=8, n_experts=256, max_tokens_per_rank=4096, n_gpus_per_node=1,
+                            dispatch_format=fmt)
+        b = traffic.floor_bytes("dispatch", cfg, ids)
+        got[fmt] = (b["read"] + b["write"]) / 1e6
+    cb = traffic.floor_bytes("combine", cuep.EPConfig(hidden=7168, top_k=8, n_experts=256, max_tokens_per_rank=4096,
+                                                      n_gpus_per_node=1), ids)
+    assert got == pytest.approx({"bf16": 529.0, "fp8": 301.5, "nvfp4": 191.4, "mxfp4": 184.0}, rel=0.01)
+    assert (cb["read"] + cb["write"]) / 1e6 == pytest.approx(528.7, rel=0.01)
+
+
+def test_floor_kernel_blocks():
+    from cuep.bench import kernels
+
+    assert kernels.floor_blocks(0, 0, 132) == 1
+    assert kernels.floor_blocks(16, 1 << 20, 132) == -(-(1 << 16) // (512 * 4))
+    assert kernels.floor_blocks(1 << 30, 16, 132) == 4 * 132  # capped at 4 blocks per SM
+
+
+def test_host_stats():
+    from cuep.bench import floor
+
+    s = floor.host_stats([5.0, 1.0, 3.0, 2.0, 4.0, 10.0, 6.0, 7.0, 8.0, 9.0])
+    assert s["median_us"] == 5.5 and s["min_us"] == 1.0 and s["calls"] == 10
+    assert s["p10_us"] == 1.0 and s["p90_us"] == 9.0 and s["mean_us"] == 5.5
+    assert floor.host_stats([])["median_us"] is None
+
+
+def fake_floor_record(op="dispatch", fmt="fp8", n=128, us=(20.0, 15.0), floor_us=(6.0, 5.0), layout_us=7.5,
+                      host_us=40.0, blocked=False):
+    from cuep.bench import floor
+
+    t = lambda v: timing.Timing([[[v] * 3], [[v] * 3]]).as_dict()  # noqa: E731
+    rec = {"op": op, "format": fmt, "n_tokens": n, "check": "ok",
+           "bytes": {"read": 1_000_000, "write": 3_000_000, "write_layout": 4_000_000},
+           "gpu": {"cold": t(us[0]), "warm": t(us[1])}, "floor": {"cold": t(floor_us[0]), "warm": t(floor_us[1])},
+           "floor_layout": {"cold": t(layout_us), "warm": t(layout_us)} if layout_us else None,
+           "host": floor.host_stats([host_us] * 4) | {"blocked": blocked}}
+    return floor.fill_derived(rec)
+
+
+def test_floor_derived_fields_and_table():
+    from cuep.bench import floor
+
+    r = fake_floor_record()
+    assert (r["us_cold"], r["us_warm"], r["floor_us_cold"], r["floor_us_warm"]) == (20.0, 15.0, 6.0, 5.0)
+    assert r["x_floor_cold"] == pytest.approx(20 / 6) and r["x_floor_warm"] == pytest.approx(3.0)
+    assert r["layout_us_warm"] == 7.5 and r["x_layout_warm"] == pytest.approx(2.0)
+    assert r["floor_gbps_warm"] == pytest.approx(4e6 / 5e3) and r["host_us"] == 40.0
+    bf = fake_floor_record(fmt="bf16", layout_us=None, blocked=True)
+    assert bf["layout_us_warm"] == 5.0 and bf["x_layout_warm"] == pytest.approx(3.0)
+    lines = report.table(floor.floor_rows([r, bf]), floor.FLOOR_HEADER).splitlines()
+    assert len(lines) == 4 and len({len(line) for line in lines}) == 1
+    assert lines[0].split()[:3] == ["op", "format", "N"] and "x floor warm" in lines[0] and "host us" in lines[0]
+    assert "3.33" in lines[2] and "3.00" in lines[2] and "2.00" in lines[2] and lines[2].rstrip().endswith("40.0")
+    assert "(blocked)" in lines[3]
+
+
+def test_floor_report_prints_every_table(capsys):
+    from cuep.bench import floor
+
+    host = [{"call": "cuep.dispatch_async", "format": "fp8", "n_tokens": 128} | floor.host_stats([12.0, 14.0])
+            | {"blocked": False}]
+    seg = lambda name, c, w: {"name": name, "cold_us": c, "warm_us": w}  # noqa: E731
+    phases = [{"op": "dispatch", "format": "fp8", "n_tokens": 128, "split": "phases",
+               "segments": [seg("notify", 3.0, 2.5), seg("send", 6.0, 5.0), seg("recv", 9.0, 8.0)],
+               "total_cold_us": 18.0, "total_warm_us": 15.5}]
+    doc = {"meta": {"notes": ["one rank"], "gpus": [{"name": "Fake GPU"}]},
+           "config": {"hidden": 7168, "top_k": 8, "n_experts": 256}, "results": [fake_floor_record()],
+           "host": host, "phases": phases, "errors": []}
+    floor.print_report(doc)
+    out = capsys.readouterr().out
+    assert "note: one rank" in out and "cuep.dispatch_async" in out and "15.5" in out and "notify" in out
+    assert out.index("host cost") < out.index("per launch") < out.index("Fake GPU")  # the main table last
+    assert out.rstrip().splitlines()[-1].split()[:3] == ["dispatch", "fp8", "128"]
+
+
+def test_floor_plan_defaults_and_options():
+    plan = cli.make_plan(["--floor"])
+    assert plan.floor and plan.floor_n == [1, 32, 128, 4096] and plan.ops == ["dispatch", "combine"]
+    assert (plan.hidden, plan.top_k, plan.n_experts) == (7168, 8, 256) and plan.host and not plan.phases
+    assert (plan.host_calls, plan.host_batches) == (32, 8) and plan.max_tokens is None
+    from cuep.bench import floor
+
+    assert floor.max_tokens(plan) == 4096 and floor.buffer_formats(plan) == ["bf16", "fp8", "nvfp4", "mxfp4"]
+    assert floor.ops_of(plan)[-1] == ("combine", "bf16") and len(floor.ops_of(plan)) == 5
+    q = cli.make_plan(["--floor", "--quick", "--phases", "--formats", "fp8", "--ops", "combine", "dispatch",
+                       "--no-host", "--max-tokens", "128"])
+    assert q.floor_n == [1, 16, 64] and q.phases_n == [16] and not q.host and q.max_tokens == 128
+    assert floor.buffer_formats(q) == ["fp8", "bf16"]  # combine runs after a bf16 dispatch
+    assert floor.ops_of(q) == [("dispatch", "fp8"), ("combine", "bf16")]
+    assert cli.make_plan(["--floor", "--floor-n", "1:8", "64"]).floor_n == [1, 2, 4, 8, 64]
+
+
+@pytest.mark.parametrize("argv", [["--floor", "--floor-n", "0"], ["--floor", "--ops", "roundtrip"],
+                                  ["--floor", "--phases", "--phases-n", "64", "--floor-n", "128"],
+                                  ["--floor", "--max-tokens", "64"], ["--floor", "--host-calls", "0"]])
+def test_bad_floor_arguments_exit_with_a_message(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.make_plan(argv)
+    assert e.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_floor_dry_run_needs_no_gpu(capsys):
+    assert cli.main(["--floor", "--dry-run", "--phases"]) == 0
+    out = capsys.readouterr().out
+    assert "H=7168, K=8, E=256, one rank" in out and "Buffers sized for 4096 tokens" in out
+    assert "measurements: 20 (op, format, N) cases" in out and "phases: N = 128" in out
+    # the bf16 dispatch at N = 4096 reads x, ids, weights and writes 32768 rows of 14336 + 8 bytes and the groups
+    row = next(line for line in out.splitlines() if line.split()[:3] == ["dispatch", "bf16", "4096"])
+    assert row.split()[3:5] == [str(4096 * 7168 * 2 + 2 * 4 * 4096 * 8),
+                                str(-(-(32768 * (14336 + 8) + 4 * 257 + 4 * 256) // 16) * 16)]
+
+
+def test_floor_without_gpu_says_so(capsys):
+    from conftest import N_GPUS
+
+    if N_GPUS:
+        pytest.skip("a GPU is visible")
+    assert cli.main(["--floor", "--quick"]) == 2
+    assert "needs an NVIDIA GPU" in capsys.readouterr().err
+
+
+def test_floor_from_json_reprints(tmp_path, capsys):
+    from cuep.bench import floor
+
+    doc = {"meta": {"notes": [], "gpus": [{"name": "Fake GPU"}]}, "config": {"hidden": 1, "top_k": 1, "n_experts": 1},
+           "results": [fake_floor_record()], "host": [], "phases": [], "errors": []}
+    path = report.write_json(doc, tmp_path, floor.JSON_NAME)
+    assert path.name == "floor.json"
+    assert cli.main(["--floor", "--from-json", str(path)]) == 0
+    assert "Fake GPU" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+def test_cli_floor_quick_end_to_end(tmp_path):
+    """``--floor --quick --phases`` on one GPU: every case checked, timed, floored, host-costed, split."""
+    out = tmp_path / "floor"
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = subprocess.run([sys.executable, "-m", "cuep.bench", "--floor", "--quick", "--phases", "--out", str(out)],
+                         capture_output=True, text=True, timeout=1500, cwd=REPO, env=env)
+    assert res.returncode == 0, f"stdout:\n{res.stdout[-5000:]}\nstderr:\n{res.stderr[-5000:]}"
+    doc = json.loads((out / "floor.json").read_text())
+    assert doc["errors"] == []
+    assert {(r["op"], r["format"]) for r in doc["results"]} == \
+        {("dispatch", f) for f in ("bf16", "fp8", "nvfp4", "mxfp4")} | {("combine", "bf16")}
+    assert len(doc["results"]) == 15
+    for r in doc["results"]:
+        assert r["check"] == "ok"
+        assert all(r[k] > 0 for k in ("us_cold", "us_warm", "floor_us_cold", "floor_us_warm", "layout_us_warm",
+                                      "host_us"))
+        assert not r["host"]["blocked"]
+        assert (r["floor_layout"] is None) == (r["op"] == "combine" or r["format"] == "bf16")
+    calls = {h["call"] for h in doc["host"]}
+    assert calls == {"cuep.dispatch", "cuep.combine", "cuep.dispatch_async", "cuep.dispatch_wait",
+                     "cuep.combine_async", "cuep.combine_wait", "cuep.ops.quantize", "cuep.ops.fused_silu"}
+    assert all(not h["blocked"] and h["calls"] == 16 for h in doc["host"])
+    assert {(p["op"], p["split"]) for p in doc["phases"]} == {(op, s) for op in ("dispatch", "combine")
+                                                               for s in ("fused", "halves", "phases")}
+    assert all(s["warm_us"] > 0 for p in doc["phases"] for s in p["segments"])
+    assert res.stdout.rstrip().splitlines()[-1].startswith("wrote ")

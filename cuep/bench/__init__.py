@@ -9,6 +9,7 @@ One process drives every local GPU (:func:`cuep.init`), as a notebook would. Mod
 * :mod:`~cuep.bench.nccl`     the NCCL baseline for the same routing (permute, grouped send/recv, unpermute);
 * :mod:`~cuep.bench.cases`    inputs and the timed callables of cuep and NCCL for one (format, N);
 * :mod:`~cuep.bench.report`   tables, JSON, plots;
+* :mod:`~cuep.bench.floor`    ``--floor``: one GPU, each op against a copy of its bytes, the host cost of a call;
 * ``__main__``                 the command line.
 
 Importing any of them needs no GPU.

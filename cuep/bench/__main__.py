@@ -4,6 +4,8 @@
     python -m cuep.bench --quick --out /tmp/smoke        # tiny sizes: a smoke test of the whole pipeline
     python -m cuep.bench --formats bf16 fp8 --no-sweep --num-sms 24 48 132
     python -m cuep.bench --dry-run                       # print the plan (works without a GPU)
+    python -m cuep.bench --floor --out out/floor         # one GPU: each op against a copy of its bytes, host cost
+    python -m cuep.bench --floor --phases --floor-n 128  # ... and a decode round split launch by launch
 
 Measured per GPU (medians of CUDA-event times, cold L2; warm beside it): dispatch, combine and the round trip
 of cuep and of an NCCL baseline for the same routing; send bandwidth (bytes leaving the GPU over NVLink) and
@@ -11,6 +13,18 @@ algorithm bandwidth (the "logical" figure: all bytes of the rank, its own includ
 peer-copy ceiling, the speed-up over NCCL and cuep's SM count. With one GPU cuep runs as a single rank and the
 NCCL baseline and peer ceilings are skipped. Writes ``bench.json`` and PNG plots (if matplotlib is installed)
 to ``--out``.
+
+``--floor`` is the single-GPU report (:mod:`cuep.bench.floor`): one rank on the first of ``--devices`` (every
+expert local), dispatch in each ``--formats`` format and combine bf16 (weights at dispatch) at ``--floor-n`` tokens
+(default 1 32 128 4096), each timed cold and warm with its launches queued, beside the floor (one copy kernel
+reading the op's input bytes and writing its output bytes, timed the same way in the same run; the layout floor
+adds the padding and whole scale tiles the output layout writes) and the host cost of one eager call
+(dispatch, combine, their async / wait halves, cuep.ops.quantize and fused_silu) measured with the GPU held
+so that no call waits on it; ``--phases`` adds the launch-by-launch split of a decode round (notify / send /
+receive). Prints the tables (the main one last) and writes ``floor.json`` to ``--out``. ``--hidden``,
+``--top-k``, ``--experts``, ``--formats``, ``--ops`` (dispatch, combine), ``--repeats``, ``--warmup``,
+``--series``, ``--input-sets``, ``--seed``, ``--small-batch-tokens``, ``--num-sms`` (the first), ``--quick``,
+``--dry-run`` and ``--from-json`` apply to it too.
 """
 from __future__ import annotations
 
@@ -29,9 +43,12 @@ NCCL_EXTRA_OPS = ("a2a_dispatch", "a2a_combine")  # NCCL's grouped send/recv alo
 STANDARD_SHAPES = {"prefill": 4096, "decode": 128}
 
 DEFAULTS = dict(hidden=7168, top_k=8, experts=256, shapes=["prefill", "decode"], sweep_n=["1:8192"], repeats=30,
-                sweep_repeats=10, warmup=3, series=2, ceiling_mib=1024, input_sets=2)
+                sweep_repeats=10, warmup=3, series=2, ceiling_mib=1024, input_sets=2,
+                floor_n=["1", "32", "128", "4096"], phases_n=["128"], host_calls=32, host_batches=8)
 QUICK = dict(hidden=1024, top_k=8, experts=64, shapes=["prefill=256", "decode=16"], sweep_n=["1:64"], repeats=5,
-             sweep_repeats=3, warmup=1, series=2, ceiling_mib=16, input_sets=2)
+             sweep_repeats=3, warmup=1, series=2, ceiling_mib=16, input_sets=2,
+             floor_n=["1", "16", "64"], phases_n=["16"], host_calls=8, host_batches=2)
+FLOOR_OPS = ("dispatch", "combine")
 
 
 # ---- arguments ---------------------------------------------------------------------------------------------------
@@ -129,7 +146,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU needed)")
     p.add_argument("--from-json", metavar="PATH", default=None,
                    help="measure nothing: print the tables of a saved bench.json and draw its plots into --out "
-                        "(no GPU needed; e.g. where matplotlib is installed)")
+                        "(no GPU needed; e.g. where matplotlib is installed); with --floor, of a saved floor.json")
+    g = p.add_argument_group("single-GPU floor report (--floor; cuep.bench.floor)")
+    g.add_argument("--floor", action="store_true",
+                   help="one rank on one GPU: dispatch (each format) and combine bf16 against a copy kernel of the "
+                        "same bytes (the floor), cold and warm, and the host cost of each eager call; writes "
+                        "floor.json (the NCCL, ceiling and sweep options do not apply)")
+    g.add_argument("--floor-n", nargs="+", default=None, metavar="N",
+                   help="tokens per round (default 1 32 128 4096; --quick 1 16 64); lo:hi ranges as --sweep-n")
+    g.add_argument("--max-tokens", type=int, default=None, metavar="T",
+                   help="max_tokens_per_rank of the Buffers (default the largest --floor-n)")
+    g.add_argument("--phases", action="store_true",
+                   help="also time each op split into consecutive launches: fused, async + wait halves, and "
+                        "notify / send / receive phases (at --phases-n)")
+    g.add_argument("--phases-n", nargs="+", default=None, metavar="N",
+                   help="N of the --phases split (default 128; --quick 16); each must be in --floor-n")
+    g.add_argument("--host-calls", type=int, default=None,
+                   help="host cost: timed calls per batch while the GPU is held (default 32)")
+    g.add_argument("--host-batches", type=int, default=None, help="host cost: timed batches (default 8)")
+    g.add_argument("--no-host", action="store_true", help="skip the host cost")
     return p
 
 
@@ -162,6 +197,15 @@ class Plan:
     from_json: str | None = None
     small_batch_tokens: int | None = None
     argv: list = field(default_factory=list)
+    # --floor (cuep.bench.floor)
+    floor: bool = False
+    floor_n: list = field(default_factory=list)
+    max_tokens: int | None = None
+    host: bool = True
+    host_calls: int = 32
+    host_batches: int = 8
+    phases: bool = False
+    phases_n: list = field(default_factory=list)
 
     def points(self) -> list[dict]:
         """The N values to measure, standard shapes first: {"n", "shapes": [names], "repeats", "standard"}."""
@@ -225,8 +269,21 @@ def make_plan(argv=None) -> Plan:
             raise ValueError("--small-batch-tokens must be >= 0 (0: never the staged protocol)")
         if a.num_sms is not None and any(n < 1 for n in a.num_sms):
             raise ValueError("--num-sms values must be >= 1")
-        if not shapes and not sweep_n:
+        if not shapes and not sweep_n and not a.floor:
             raise ValueError("nothing to measure: no --shapes and --no-sweep")
+        floor_n = parse_sweep(pick("floor_n")) if a.floor else []
+        phases_n = parse_sweep(pick("phases_n")) if a.floor and a.phases else []
+        if a.floor:
+            ops = [o for o in ops if o in FLOOR_OPS]
+            if not ops:
+                raise ValueError(f"--floor measures {FLOOR_OPS}: --ops names none of them")
+            if [n for n in phases_n if n not in floor_n]:
+                raise ValueError(f"--phases-n {phases_n}: each must be one of --floor-n {floor_n}")
+            if a.max_tokens is not None and a.max_tokens < max(floor_n):
+                raise ValueError(f"--max-tokens {a.max_tokens} is below the largest --floor-n {max(floor_n)}")
+            for name in ("host_calls", "host_batches"):
+                if pick(name) < 1:
+                    raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     except ValueError as e:
         parser.error(str(e))
     return Plan(hidden=pick("hidden"), top_k=pick("top_k"), n_experts=pick("experts"), formats=formats, ops=ops,
@@ -235,7 +292,9 @@ def make_plan(argv=None) -> Plan:
                 series=pick("series"), input_sets=pick("input_sets"), ceiling_bytes=pick("ceiling_mib") << 20,
                 devices=devices, out=a.out, nccl=not a.no_nccl, ceilings=not a.no_ceilings, gate=not a.no_gate,
                 seed=a.seed, quick=a.quick, dry_run=a.dry_run, from_json=a.from_json,
-                small_batch_tokens=a.small_batch_tokens, argv=list(sys.argv[1:] if argv is None else argv))
+                small_batch_tokens=a.small_batch_tokens, argv=list(sys.argv[1:] if argv is None else argv),
+                floor=a.floor, floor_n=floor_n, max_tokens=a.max_tokens, host=not a.no_host,
+                host_calls=pick("host_calls"), host_batches=pick("host_batches"), phases=a.phases, phases_n=phases_n)
 
 
 def describe_plan(plan: Plan, n_ranks: int) -> str:
@@ -518,6 +577,10 @@ def write_outputs(doc: dict, out_dir: str) -> None:
 
 def main(argv=None) -> int:
     plan = make_plan(argv)
+    if plan.floor:
+        from . import floor
+
+        return floor.main(plan)
     if plan.from_json:
         import json
 

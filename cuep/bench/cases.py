@@ -75,16 +75,24 @@ def random_bytes(gen, n: int, nbytes: int):
     return (gen.random((n, nbytes), dtype=cupy.float32) * 256).astype(cupy.uint8)
 
 
+def host_routing(n_ranks: int, n_tokens: int, top_k: int, n_experts: int, *, n_sets: int = 2,
+                 seed: int = 0) -> tuple[list[list[np.ndarray]], list[list[np.ndarray]]]:
+    """The routing :func:`make_inputs` draws, on the host only: (topk_ids, topk_weights), each [set][rank] of
+    int32 / float32 [n_tokens, top_k] (so a plan can count bytes without a GPU)."""
+    from .traffic import random_routing
+
+    rng = np.random.default_rng(seed)
+    ids_h = [[random_routing(rng, n_tokens, n_experts, top_k) for _ in range(n_ranks)] for _ in range(n_sets)]
+    w_h = [[rng.random((n_tokens, top_k)).astype(np.float32) for _ in range(n_ranks)] for _ in range(n_sets)]
+    return ids_h, w_h
+
+
 def make_inputs(devices: list[int], n_tokens: int, hidden: int, top_k: int, n_experts: int, *, n_sets: int = 2,
                 seed: int = 0) -> Inputs:
     """Draw ``n_sets`` input sets for every device (see the module docstring)."""
     import cupy
 
-    from .traffic import random_routing
-
-    rng = np.random.default_rng(seed)
-    ids_h = [[random_routing(rng, n_tokens, n_experts, top_k) for _ in devices] for _ in range(n_sets)]
-    w_h = [[rng.random((n_tokens, top_k)).astype(np.float32) for _ in devices] for _ in range(n_sets)]
+    ids_h, w_h = host_routing(len(devices), n_tokens, top_k, n_experts, n_sets=n_sets, seed=seed)
     inp = Inputs(n_tokens, hidden, top_k, n_experts, list(devices), ids_h, w_h)
     for k in range(n_sets):
         xs, ids, ws = [], [], []

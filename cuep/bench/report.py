@@ -188,11 +188,11 @@ def _clean(v):
     return v
 
 
-def write_json(doc: dict, out_dir: str | os.PathLike) -> Path:
-    """Write ``doc`` to ``out_dir/bench.json`` (NaN as null) and return the path."""
+def write_json(doc: dict, out_dir: str | os.PathLike, name: str = JSON_NAME) -> Path:
+    """Write ``doc`` to ``out_dir/name`` (default ``bench.json``; NaN as null) and return the path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / JSON_NAME
+    path = out / name
     path.write_text(json.dumps(_clean(doc), indent=1, allow_nan=False) + "\n")
     return path
 

@@ -18,6 +18,7 @@ Bandwidth = bytes / the GPU's median time. With one rank ``P = [[N]]``: no send 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -117,3 +118,65 @@ def expected_rows(topk_ids: list[np.ndarray], n_experts: int, rank: int, row_ali
         local = ids[ids // L == rank] - rank * L
         counts += np.bincount(local, minlength=L)
     return int((-(-counts // row_align) * row_align).sum())
+
+
+# ---- the floor of an op on one GPU (python -m cuep.bench --floor) --------------------------------------------------
+FLOOR_OPS = ("dispatch", "combine")
+ROW_META_BYTES = 8   # per dispatched row: src_info (token, slot), 2 x int32; combine reads a row's token and weight
+
+
+def _round16(n: float) -> int:
+    return int(-(-int(math.ceil(n)) // 16) * 16)
+
+
+def floor_bytes(op: str, cfg, topk_ids: np.ndarray) -> dict:
+    """Bytes the floor copy of ``op`` reads and writes, for one rank holding every expert (``cfg.n_ranks == 1``).
+
+    With N tokens, ``rows = N x K`` (each choice is a row: every expert is local), H hidden, bf16 input:
+
+    * **dispatch** reads x (``2 N H``), topk_ids and topk_weights (``4 N K`` each); writes every row's payload and
+      scales in the wire format (``cfg.payload_bytes + cfg.message.scale_bytes``) and its ``src_info``
+      (``ROW_META_BYTES``), plus ``row_offsets``, ``expert_ids`` (and ``scales_offsets`` for nvfp4 / mxfp4), 4
+      bytes per group each (row_offsets one more);
+    * **combine** (bf16, weights given at dispatch) reads every row of ``expert_out`` (``rows x H x itemsize``)
+      and per row its token and weight (``ROW_META_BYTES``); writes the output ``[N, H]``.
+
+    ``write_layout`` is what the output layout makes the dispatch write besides: fp8 pads each expert's rows to a
+    multiple of 4 (padding rows get zero payload, zero scales and ``src_info``); nvfp4 / mxfp4 write every 128x4
+    scale tile a group uses in full (``ceil(rows_e / 128)`` tiles of ``k_tiles x 512`` bytes per expert e) instead
+    of the rows' scale bytes. Equal to ``write`` for bf16 and for combine. Each figure is rounded up to 16 bytes
+    (the copy moves 16-byte vectors).
+
+    Returns ``{"read", "write", "write_layout", "rows", "padded_rows", "scale_tiles"}``.
+    """
+    from ..formats import SCALE_TILE_BYTES, SCALE_TILE_ROWS
+
+    if op not in FLOOR_OPS:
+        raise ValueError(f"op={op!r} must be one of {FLOOR_OPS}")
+    if cfg.n_ranks != 1:
+        raise ValueError(f"floor_bytes counts one rank holding every expert; cfg has {cfg.n_ranks} ranks")
+    ids = np.asarray(topk_ids)
+    n, k = ids.shape if ids.ndim == 2 else (0, cfg.top_k)
+    H, G = cfg.hidden, cfg.n_groups
+    rows = int(ids.size)
+    counts = np.bincount(ids.ravel().astype(np.int64), minlength=cfg.n_experts) if rows else \
+        np.zeros(cfg.n_experts, np.int64)
+    if op == "combine":
+        read = rows * (H * cfg.combine_itemsize + ROW_META_BYTES)
+        write = n * H * cfg.combine_itemsize
+        return {"read": _round16(read), "write": _round16(write), "write_layout": _round16(write), "rows": rows,
+                "padded_rows": rows, "scale_tiles": 0}
+    fmt = cfg.fmt
+    payload, scales = int(cfg.payload_bytes), int(cfg.message.scale_bytes)
+    meta = 4 * (G + 1) + 4 * G + (4 * G if fmt.swizzled_scales else 0)
+    read = n * H * 2 + 2 * 4 * n * k
+    write = rows * (payload + scales + ROW_META_BYTES) + meta
+    align = int(fmt.row_align)
+    padded = int((-(-counts // align) * align).sum())
+    tiles = int((-(-counts // SCALE_TILE_ROWS)).sum()) if fmt.swizzled_scales else 0
+    if fmt.swizzled_scales:
+        layout = padded * (payload + ROW_META_BYTES) + tiles * fmt.scale_k_tiles(H) * SCALE_TILE_BYTES + meta
+    else:
+        layout = padded * (payload + scales + ROW_META_BYTES) + meta
+    return {"read": _round16(read), "write": _round16(write), "write_layout": _round16(layout), "rows": rows,
+            "padded_rows": padded, "scale_tiles": tiles}

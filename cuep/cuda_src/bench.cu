@@ -191,3 +191,41 @@ cuep_bench_burst(const uint4* src, uint4* dst, int64_t bytes, int chunk, int mod
     __syncwarp();
     if (lane == 0) atomicMax(span + 1, static_cast<unsigned long long>(global_timer_ns()));
 }
+
+// cuep_bench_floor_copy: the floor of an op on one GPU, a plain copy that reads `n_read` and writes `n_write`
+// 16-byte vectors (python -m cuep.bench --floor; cuep.bench.traffic.floor_bytes says which bytes of each op count).
+// Vector v (grid-stride, 4 vectors in flight per thread) is loaded from src when v < n_read and stored to dst when
+// v < n_write (the loaded vector, or a pattern past the reads). Loads past the writes are folded into a per-thread
+// XOR that is stored only if it equals `salt` (a value the host picks): the compiler cannot drop them, and in
+// practice nothing more is written. src and dst are 16-byte aligned and do not overlap.
+constexpr int kFloorThreads = 512;
+constexpr int kFloorUnroll = 4;
+
+extern "C" __global__ void __launch_bounds__(kFloorThreads)
+cuep_bench_floor_copy(const uint4* __restrict__ src, uint4* __restrict__ dst, int64_t n_read, int64_t n_write,
+                      uint32_t salt) {
+    const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+    const int64_t n = n_read > n_write ? n_read : n_write;
+    uint4 acc = make_uint4(0u, 0u, 0u, 0u);
+    for (int64_t v0 = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; v0 < n; v0 += kFloorUnroll * stride) {
+        uint4 r[kFloorUnroll];
+#pragma unroll
+        for (int u = 0; u < kFloorUnroll; ++u) {
+            const int64_t v = v0 + u * stride;
+            r[u] = v < n_read ? src[v] : make_uint4(static_cast<uint32_t>(v), salt, 3u, 5u);
+        }
+#pragma unroll
+        for (int u = 0; u < kFloorUnroll; ++u) {
+            const int64_t v = v0 + u * stride;
+            if (v < n_write) {
+                dst[v] = r[u];
+            } else if (v < n_read) {
+                acc.x ^= r[u].x;
+                acc.y ^= r[u].y;
+                acc.z ^= r[u].z;
+                acc.w ^= r[u].w;
+            }
+        }
+    }
+    if (n_write > 0 && (acc.x ^ acc.y ^ acc.z ^ acc.w) == salt && salt != 0u) dst[0] = acc;
+}
