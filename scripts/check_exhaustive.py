@@ -2,6 +2,7 @@
 
     python scripts/check_exhaustive.py e2m1             # all 2**32 float32 bit patterns (about 2 minutes)
     python scripts/check_exhaustive.py fp8div [--per-s 256] [--s-step 1]   # 2**23 / s_step divisors x per_s pairs
+    python scripts/check_exhaustive.py silu             # every g with |g| in [85, 89], 2**24 random patterns
 
 * ``e2m1``: ``e2m1_device`` below is a NumPy emulation, operation for operation, of ``e2m1_biased`` /
   ``e2m1_encode`` in cuep/cuda_src/formats.cuh (fminf/fmaxf of FTZ operands, Veltkamp's split to 2 significant
@@ -15,6 +16,11 @@
   rounding midpoint (the hard cases of division), and exact quotients. It must equal the IEEE quotient RN(x / s).
   The argument that two corrections suffice (the first gives a faithful quotient; then Markstein's theorem) is in
   formats.cuh; this checks the algebra and the emulation.
+
+* ``silu``: ``silu_device`` below emulates formats.cuh ``silu_f32`` as the kernel computes it (ax = min(|g|, 88)
+  read negated by the FMAs; e = p * 2**n as an integer add to p's exponent field, a subnormal e read as +0 by its
+  flushing consumers). It must equal :func:`cuep.reference.ep.silu_f32` bit for bit: on every float32 g with
+  |g| in [85, 89] (where n <= -122 and the add's result can be subnormal or wrap) and on random bit patterns.
 
 tests/test_reference_quant.py imports this file and runs both on samples (1e6 values and the special points).
 """
@@ -181,6 +187,53 @@ def run_fp8div(per_s: int, s_step: int, seed: int = 0, batch: int = 1 << 14) -> 
     return bad
 
 
+# ---- silu ------------------------------------------------------------------------------------------------------
+def silu_device(g: np.ndarray) -> np.ndarray:
+    """formats.cuh ``silu_f32``, operation for operation (every float op FTZ, as -ftz=true)."""
+    from cuep.reference.ep import (SILU_LN2_HI, SILU_LN2_LO, SILU_LOG2E, SILU_POLY, SILU_RINT, SILU_X_MIN)
+    from cuep.reference.quant import fma_f32
+
+    g = np.ascontiguousarray(g, dtype=F32)
+    with np.errstate(all="ignore"):
+        ax = np.fmin(ftz(np.abs(g)), -SILU_X_MIN)                      # FMNMX.FTZ |g|, 88: NaN -> 88
+        t = fma_f32(-ax, SILU_LOG2E, SILU_RINT)
+        n = t - SILU_RINT
+        r = fma_f32(n, -SILU_LN2_LO, fma_f32(n, -SILU_LN2_HI, -ax))
+        p = np.full_like(r, SILU_POLY[0])
+        for c in SILU_POLY[1:]:
+            p = fma_f32(p, r, c)
+        e = (p.view(U32) + (t.view(U32) << U32(23))).view(F32)          # integer add: may be a subnormal
+        e = ftz(e)                                                      # as its consumers (add.ftz, mul.ftz) read it
+        s = ftz(F32(1.0) / ftz(F32(1.0) + e))
+        gf = ftz(g)
+        num = np.where(gf < 0, ftz(gf * e), gf)
+        return ftz(num * s)
+
+
+def run_silu(n_random: int = 1 << 24, seed: int = 0) -> int:
+    from cuep.reference.ep import silu_f32
+
+    lo, hi = np.array([85.0, 89.0], dtype=F32).view(U32)
+    mags = np.arange(lo, hi + 1, dtype=np.uint64).astype(U32)
+    rnd = np.random.default_rng(seed).integers(0, 1 << 32, size=n_random, dtype=np.uint64).astype(U32)
+    special = np.array([0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00000, 1, 0x80000001,
+                        0x007FFFFF, 0x807FFFFF, 0x00800000, 0x80800000], dtype=U32)
+    bad = 0
+    t0 = time.time()
+    for bits in (mags, mags | U32(0x80000000), rnd, special):
+        g = bits.view(F32)
+        for i in range(0, g.size, 1 << 22):
+            a, b = silu_device(g[i:i + (1 << 22)]).view(U32), silu_f32(g[i:i + (1 << 22)]).view(U32)
+            nan = np.isnan(a.view(F32)) & np.isnan(b.view(F32))
+            wrong = (a != b) & ~nan
+            if wrong.any():
+                j = int(np.flatnonzero(wrong)[0])
+                print(f"silu mismatch at g bits {int(bits[i + j]):#010x}: {int(a[j]):#010x} != {int(b[j]):#010x}")
+                bad += int(wrong.sum())
+    print(f"silu: {2 * mags.size + rnd.size + special.size} values, {bad} mismatches, {time.time() - t0:.0f} s")
+    return bad
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
@@ -189,7 +242,10 @@ def main() -> int:
     d.add_argument("--per-s", type=int, default=256, help="dividends per divisor (default 256)")
     d.add_argument("--s-step", type=int, default=1, help="take every n-th divisor significand (default 1: all)")
     d.add_argument("--seed", type=int, default=0)
+    sub.add_parser("silu", help="fused_silu's silu_f32 (the |g| in [85, 89] range and random patterns)")
     a = p.parse_args()
+    if a.what == "silu":
+        return 1 if run_silu() else 0
     bad = run_e2m1() if a.what == "e2m1" else run_fp8div(a.per_s, a.s_step, a.seed)
     return 1 if bad else 0
 
