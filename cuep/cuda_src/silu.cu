@@ -26,11 +26,27 @@ constexpr int kSiluMinBlocks = CUEP_SILU_MIN_BLOCKS;
 // The row loads go through a shared-memory ring (cp.async): each warp keeps the loads of its next
 // kSiluStages - 1 spans in flight while it computes the current one, without holding registers for them (with
 // register loads the compiler interleaves loads and arithmetic to fit 64 registers, and the warps stall on memory
-// about half of the time). A stage is one span of gate and up: 2 x 512 bf16 or 2 x 256 float32 = 2 KiB per warp.
+// about half of the time). A stage is one span of gate and up: 2 x 1024 bf16 or 2 x 512 float32 = 4 KiB per warp,
+// 32 (bf16) or 16 (float32) values per lane: the per-span work (cursor, cp.async issue, waits, addresses, scale
+// write-out: about 100 instructions a lane) is paid once per 32 bf16 values instead of 16 (about 3 instructions per
+// value less), and a warp has twice the bytes in flight (16 warps per SM: 64 KiB).
 // cuep/ops.py sizes the dynamic shared memory from the same two numbers (_SILU_STAGES, _SILU_STAGE_BYTES).
 constexpr int kSiluStages = 2;
-constexpr int kSiluStageBytes = 2048;
+constexpr int kSiluStageBytes = 4096;
 
+
+// cp.async of the 16-byte pieces kP .. kN - 1 at offsets k * 512 from `to` / `from` (one lane's part of a whole
+// stage range): the offsets are immediates of the instructions, so a whole range costs one address per side.
+template <int kP, int kN>
+__device__ __forceinline__ void copy_pieces(uint8_t* to, const uint8_t* from) {
+    if constexpr (kP < kN) {
+        asm volatile("cp.async.cg.shared.global [%0+%2], [%1+%2], 16;" ::"r"(
+                         static_cast<unsigned>(__cvta_generic_to_shared(to))),
+                     "l"(from), "n"(kP * kWarp * 16)
+                     : "memory");
+        copy_pieces<kP + 1, kN>(to, from);
+    }
+}
 
 // silu(gate) * up for one value. gate and up are not flushed first: every operation that reads them (max.ftz,
 // setp.ftz, mul.rn.ftz) flushes a subnormal operand to zero of the same sign, which is the contract's
@@ -129,7 +145,7 @@ __device__ __forceinline__ void fused_silu_rows(const T* __restrict__ h, const i
                                                 uint32_t* __restrict__ scales_offsets, int64_t max_tiles,
                                                 float global_scale) {
     using Src = SwigluSource<T, kInterleaved>;
-    constexpr int kSteps = kStepsFor<typename Src::Raw>;
+    constexpr int kSteps = kSiluStageBytes / (2 * kWarpSpan * int(sizeof(T)));  // bf16 4, float32 2: paired steps
     constexpr int kSpan = kSteps * kWarpSpan;
     constexpr bool kSwizzled = kFmt == kFmtNvfp4 || kFmt == kFmtMxfp4;
     const WarpGrid wg;
@@ -250,16 +266,22 @@ __device__ __forceinline__ void fused_silu_rows(const T* __restrict__ h, const i
         const T* hrow = h + issue_at.row() * 2 * int64_t(inter);
         const Src src{hrow, hrow + inter};
         const int col0 = issue_at.span * kSpan;
-        const int bytes = Src::range_bytes(min(kSpan, inter - col0));
-        uint8_t* stage = ring + istage * kSiluStageBytes;
+        // This lane's 16-byte pieces are at lane * 16 + p * 512 of each range: one base address per range and
+        // immediate offsets; `left` = bytes of the range from the lane's first piece on (<= 0: none).
+        const int left = Src::range_bytes(min(kSpan, inter - col0)) - wg.lane * 16;
+        uint8_t* stage = ring + istage * kSiluStageBytes + wg.lane * 16;
+        constexpr int kPieces = kSiluStageBytes / Src::kRanges / 16 / kWarp;  // per lane and range
+        const bool whole = left > (kPieces - 1) * kWarp * 16;  // all of this lane's pieces: but in a short last span
 #pragma unroll
         for (int r = 0; r < Src::kRanges; ++r) {
-            const uint8_t* from = src.range(col0, r);
+            const uint8_t* from = src.range(col0, r) + wg.lane * 16;
             uint8_t* to = stage + r * (kSiluStageBytes / Src::kRanges);
+            if (whole) {
+                copy_pieces<0, kPieces>(to, from);
+            } else {
 #pragma unroll
-            for (int p = 0; p < kSiluStageBytes / Src::kRanges / 16 / kWarp; ++p) {
-                const int off = (p * kWarp + wg.lane) * 16;
-                if (off < bytes) cp_async16(to + off, from + off);
+                for (int p = 0; p < kPieces; ++p)
+                    if (p * kWarp * 16 < left) cp_async16(to + p * kWarp * 16, from + p * kWarp * 16);
             }
         }
         if (++istage == kSiluStages) istage = 0;
@@ -272,14 +294,17 @@ __device__ __forceinline__ void fused_silu_rows(const T* __restrict__ h, const i
     }
 
     // This warp's scale staging: fp8 float [kSpanBlocks][8] (block column, member); fp4 uint8 [8][kSpanBlocks].
-    __shared__ uint4 staging_all[kOpsThreads / kWarp][16];
+    constexpr int kStagingWords =
+        kFmt == kFmtBf16 ? 1 : kSetRows * kSpanBlocks * int(sizeof(typename FormatTraits<kFmt>::Scale)) / 16;
+    static_assert(kStagingWords <= kWarp, "one 16-byte word of the staging per lane at most");
+    __shared__ uint4 staging_all[kOpsThreads / kWarp][kStagingWords];
     uint8_t* const staging = reinterpret_cast<uint8_t*>(staging_all[threadIdx.x / kWarp]);
     using L = SpanLayout<kFmt, kSteps>;
     const int n_cols = inter / max(FormatTraits<kFmt>::kBlock, 1);  // scale columns of a row
 
     for (; at.left > 0; next_item(at)) {
         if constexpr (kSwizzled) {  // padding rows and columns past the row's scales stay 0
-            reinterpret_cast<uint2*>(staging)[wg.lane] = make_uint2(0u, 0u);
+            if (wg.lane < kStagingWords) reinterpret_cast<uint4*>(staging)[wg.lane] = make_uint4(0u, 0u, 0u, 0u);
             __syncwarp();
         }
         for (at.k = 0, first_piece(at); at.k < kSetRows; ++at.k, first_piece(at)) {
@@ -310,10 +335,14 @@ __device__ __forceinline__ void fused_silu_rows(const T* __restrict__ h, const i
             __syncwarp();  // the item's scales are staged: write them as whole sectors
             const int c0 = at.span * kSpanBlocks;
             if constexpr (kFmt == kFmtFp8) {
-                const int cr = wg.lane / kSetRows, k = wg.lane % kSetRows;
-                if (cr < kSpanBlocks && c0 + cr < n_cols && (at.valid >> k & 1u))
-                    reinterpret_cast<float*>(scales)[(c0 + cr) * capacity + at.base + k] =
-                        reinterpret_cast<const float*>(staging)[cr * kSetRows + k];
+                const int k = wg.lane % kSetRows;
+#pragma unroll
+                for (int cr0 = 0; cr0 < kSpanBlocks; cr0 += kWarp / kSetRows) {
+                    const int cr = cr0 + wg.lane / kSetRows;
+                    if (cr < kSpanBlocks && c0 + cr < n_cols && (at.valid >> k & 1u))
+                        reinterpret_cast<float*>(scales)[(c0 + cr) * capacity + at.base + k] =
+                            reinterpret_cast<const float*>(staging)[cr * kSetRows + k];
+                }
             } else {
                 constexpr int kSpanTiles = kSpanBlocks / kScaleTileCols;  // 128x4 tile columns per span
                 const int tile = int(at.set >> 4), pair = int(at.set & 15), k = wg.lane % kSetRows;
