@@ -31,7 +31,8 @@ from .params import (COMBINE_PARAMS_DTYPE, DISPATCH_PARAMS_DTYPE, call_struct, k
 from .formats import GLOBAL_SCALE_MAX, GLOBAL_SCALE_MIN
 
 PHASE_NOTIFY, PHASE_SEND, PHASE_RECV = 1, 2, 4
-# with PHASE_SEND | PHASE_RECV in one call: a small bf16 round's local tokens go from x to their rows, unstaged
+# with PHASE_SEND | PHASE_RECV in one call: a small bf16 round's local tokens go from x to their rows, unstaged;
+# in combine, a partial-sum round with one destination rank finishes its tokens in the send half
 PHASE_LOCAL_X = 8
 MODE_PARTIAL, MODE_WEIGHTED, MODE_UNREDUCED = 0, 1, 2
 _THREADS = 512
@@ -690,6 +691,9 @@ def _combine(buf: Buffer, expert_out, dispatched, topk_weights, residual, phases
                              f"them too): pass combine_wait the same arguments as combine_async")
     ring = host.combine_suffix == "bf16"
     name = f"combine.cu:cuep_combine_{host.combine_suffix}"
+    # every launch of a call that sends and receives says so: a partial-sum round with one destination rank then
+    # finishes its tokens in the send half (combine/slots.cuh direct_out), and the receive half must agree
+    one_call = PHASE_LOCAL_X if (phases & PHASE_SEND and phases & PHASE_RECV) else 0
     runtime = _cp().cuda.runtime
     home = dev = runtime.getDevice()
     try:
@@ -704,7 +708,7 @@ def _combine(buf: Buffer, expert_out, dispatched, topk_weights, residual, phases
             _before_launch(buf, "combine.cu")
             w, rs = ws[i], res[i]
             launch(buf.num_sms, eos[i].data.ptr, *fixed, d._topk_ids.data.ptr, 0 if w is None else w.data.ptr,
-                   0 if rs is None else rs.data.ptr, outs[i].data.ptr, d.num_tokens, mode, ph)
+                   0 if rs is None else rs.data.ptr, outs[i].data.ptr, d.num_tokens, mode, ph | one_call)
     finally:
         if dev != home:
             runtime.setDevice(home)

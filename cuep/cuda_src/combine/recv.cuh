@@ -1,7 +1,8 @@
 // Combine, phase 3 (receive): tokens in order, each as soon as its arrival count says every slot has landed
 // (polled tokens: each vector as it lands): out[t] = the sum of its slots (weighted by topk_weights in kWeighted),
-// plus the shared expert's row and the residual; or the unreduced [N, K (+1), H]. Outside parity slots the last
-// block then lets the next round in.
+// plus the shared expert's row and the residual; or the unreduced [N, K (+1), H]. With direct_out (slots.cuh) the
+// send half has finished every token that has a partial sum, and only the others are left here. Outside parity
+// slots the last block then lets the next round in.
 #pragma once
 #include "readiness.cuh"
 
@@ -30,7 +31,6 @@ __device__ void phase_recv(const EPParams& ep, const CombineArgs& a, int round, 
     const int slots0 = slot_base(ep, a.mode, round);
     const TC* recv = reinterpret_cast<const TC*>(ep.local(ep.off_comb_recv));
     const TC* eo = static_cast<const TC*>(a.expert_out);
-    const TC* res = static_cast<const TC*>(a.residual);
     TC* out = static_cast<TC*>(a.out);
     const int n_vec = H / 8, E = static_cast<int>(ep.n_experts);
     const int lane = threadIdx.x % kWarp, n_warps = blockDim.x / kWarp;
@@ -49,21 +49,9 @@ __device__ void phase_recv(const EPParams& ep, const CombineArgs& a, int round, 
         return __shfl_sync(0xffffffffu, lane == 0 ? atomicAdd(next_item, 1) : 0, 0);
     };
     // out[t] vector c = acc (the summed slots) + the shared expert's row + the residual
-    auto finish_vector = [&](int t, int c, float (&acc)[8]) {
-        if (shared && sh_lo <= t && t < sh_hi) {
-            float v[8];
-            load8f(eo + static_cast<long long>(t - sh_lo) * H + 8 * c, v);
-#pragma unroll
-            for (int i = 0; i < 8; ++i) acc[i] += v[i];
-        }
-        if (res) {
-            float v[8];
-            load8f(res + static_cast<long long>(t) * H + 8 * c, v);
-#pragma unroll
-            for (int i = 0; i < 8; ++i) acc[i] += v[i];
-        }
-        store8f(out + static_cast<long long>(t) * H + 8 * c, acc);
-    };
+    auto finish_vector = [&](int t, int c, float (&acc)[8]) { finish_out_vector<TC>(ep, a, sh_lo, sh_hi, t, c, acc); };
+    // the send half finished every token with a partial sum itself (slots.cuh): only tokens without one are left
+    const bool direct = direct_out(ep, a);
     (void)n_warps;
     bool ok = true;
     for (int item = claim(-2); item >= 0 && item < a.num_tokens * n_chunks; item = claim(item)) {
@@ -76,6 +64,7 @@ __device__ void phase_recv(const EPParams& ep, const CombineArgs& a, int round, 
         const bool first_of_rank = warp_first_of_rank(e / L, valid_mask, lane, K);
         // partial sums: one per destination rank of the token (with skip_a2a, one if any choice was local)
         const int n_partials = __popc(__ballot_sync(0xffffffffu, first_of_rank));
+        if (direct && n_partials != 0) continue;  // out[t] is the send half's (direct_out): nothing landed here
         const float w = (a.mode == kWeighted && valid) ? a.topk_weights[static_cast<long long>(t) * K + lane] : 0.f;
         // Wait until every slot of the token has landed: each is n_vec vectors (partials: one slot per
         // destination rank; rows: one per valid choice).

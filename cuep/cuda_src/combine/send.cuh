@@ -1,8 +1,8 @@
 // Combine, phase 2 (send): wait until every destination lets this round in, then, by mode: kPartial, one
 // float32-accumulated partial sum per (message, destination) over this rank's experts of the token, put with the
-// bulk-copy engine (or polled words for a round's first tokens); kWeighted / kUnreduced, each dispatched row back
-// unchanged into slot k of its token. Every piece of data is followed by its arrival count (signal_add), except
-// polled words, which the receiver watches itself.
+// bulk-copy engine (or polled words for a round's first tokens), or with direct_out (slots.cuh) finished into
+// out[t] here; kWeighted / kUnreduced, each dispatched row back unchanged into slot k of its token. Every piece of
+// data put is followed by its arrival count (signal_add), except polled words, which the receiver watches itself.
 #pragma once
 #include "readiness.cuh"
 
@@ -23,6 +23,8 @@ __device__ bool send_partials_ring(const EPParams& ep, const CombineArgs& a, int
     const int rank = static_cast<int>(ep.rank);
     const long long T_max = ep.max_tokens;
     const int n_vec = H / 8, lane = threadIdx.x % kWarp;
+    const bool direct = direct_out(ep, a);  // out[t] here, no partial sum put (slots.cuh)
+    const int sh_lo = ep.shared ? shared_lo(ep, a.num_tokens) : 0, sh_hi = ep.shared ? shared_hi(ep, a.num_tokens) : 0;
     const int total = order.n_items;
     const TC* eo = static_cast<const TC*>(a.expert_out);
     extern __shared__ uint4 dyn_smem[];
@@ -143,6 +145,14 @@ __device__ bool send_partials_ring(const EPParams& ep, const CombineArgs& a, int
         if (__popc(at.left) <= 4) {  // the slice's last piece: send its partial sums
             const int t = at.t, j = at.j + slots0;
             const int r = ep.skip_a2a ? rank : at.src;
+            if (direct) {  // this rank's own token and its only partial sum: finished here, no put, no count
+                if (ca < at.c_end) finish_out_vector<TC>(ep, a, sh_lo, sh_hi, t, ca, acc_a);
+                if (cb < at.c_end) finish_out_vector<TC>(ep, a, sh_lo, sh_hi, t, cb, acc_b);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc_a[i] = acc_b[i] = 0.f;
+                advance(at);
+                continue;
+            }
             if (poll_token<TC>(ep, a, t)) {  // straight from registers, no count (the receiver polls the data)
                 uint16_t* pd = poll_slot(ep, r, round, t, at.j);
                 if (ca < at.c_end) store8_polled(r, pd + 8 * ca, acc_a);
@@ -215,6 +225,9 @@ __device__ bool send_items(const EPParams& ep, const CombineArgs& a, int round, 
     const int lane = threadIdx.x % kWarp, n_warps = blockDim.x / kWarp;
     const int warp0 = (threadIdx.x / kWarp) * send_blocks + blockIdx.x, warp_stride = send_blocks * n_warps;
     if (a.mode == kPartial) {
+        const bool direct = direct_out(ep, a);  // out[t] here, no partial sum put (slots.cuh)
+        const int sh_lo = ep.shared ? shared_lo(ep, a.num_tokens) : 0;
+        const int sh_hi = ep.shared ? shared_hi(ep, a.num_tokens) : 0;
         __shared__ int s_count[kMaxRanks], s_total, s_most;
         if (threadIdx.x == 0) {
             s_total = s_most = 0;
@@ -293,6 +306,11 @@ __device__ bool send_items(const EPParams& ep, const CombineArgs& a, int round, 
 #pragma unroll
                         for (int i = 0; i < 8; ++i) acc_b[i] += wk[u] * v[i];
                     }
+                }
+                if (direct) {  // this rank's own token and its only partial sum: finished here, no put, no count
+                    if (ca < c_end) finish_out_vector<TC>(ep, a, sh_lo, sh_hi, t, ca, acc_a);
+                    if (cb < c_end) finish_out_vector<TC>(ep, a, sh_lo, sh_hi, t, cb, acc_b);
+                    continue;
                 }
                 if (poll_token<TC>(ep, a, t)) {  // straight from registers, no count (the receiver polls the data)
                     uint16_t* pd = poll_slot(ep, r, round, t, a.msg_j[mi]);
