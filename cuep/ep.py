@@ -26,8 +26,8 @@ import numpy as np
 from . import _kernels
 from .buffer import Buffer
 from .interop import torch_aware
-from .params import (COMBINE_PARAMS_DTYPE, DISPATCH_PARAMS_DTYPE, call_struct, kernel_argument, launch_record,
-                     pointer)
+from .params import (COMBINE_PARAMS_DTYPE, DISPATCH_PARAMS_DTYPE, c_contiguous, call_struct, kernel_argument,
+                     launch_record, pointer)
 from .formats import GLOBAL_SCALE_MAX, GLOBAL_SCALE_MIN
 
 PHASE_NOTIFY, PHASE_SEND, PHASE_RECV = 1, 2, 4
@@ -157,19 +157,11 @@ def _check_array(a, name: str, device: int, dtypes, ndim: int, layout: str = "",
         want = _dtype_names(dtypes)
         raise TypeError(f"{name} has dtype {a.dtype}; expected {want}{' ' + hint if hint else ''} "
                         f"(convert with .astype(...))")
-    if not _c_contiguous(a):
+    if not c_contiguous(a):
         raise ValueError(f"{name} must be C-contiguous, got strides {a.strides} (use cupy.ascontiguousarray)")
     if a.size and mem.ptr % align:
         raise ValueError(f"{name} starts at address {a.data.ptr:#x}, not on a {align}-byte boundary (the kernels "
                          f"read it with {align}-byte loads): pass a fresh array, e.g. {name.split('[')[0]}.copy()")
-
-
-def _c_contiguous(a) -> bool:
-    """``a.flags.c_contiguous`` without building the flags object (CuPy keeps the flag as ``_c_contiguous``)."""
-    try:
-        return a._c_contiguous
-    except AttributeError:
-        return a.flags.c_contiguous
 
 
 @functools.lru_cache(maxsize=1)

@@ -517,6 +517,15 @@ class _Torn(ConnectionError):
     """A frame stopped midway: the byte stream is out of step for good."""
 
 
+def _next_collective(comm, what: str) -> tuple[int, str]:
+    """Number the next collective of ``comm`` (a :class:`_Store` or :class:`_TorchStore`): (its sequence number, its
+    name for messages). Every rank numbers its collectives the same way, even one that fails, so they stay in step."""
+    if comm._closed:
+        raise RuntimeError(f"rank {comm.rank}: this rendezvous was closed")
+    comm._seq += 1
+    return comm._seq, f"{what} #{comm._seq}"
+
+
 class _Store:
     """All-gather and barrier among ``world_size`` processes over TCP; rank 0 serves, the others connect.
 
@@ -657,13 +666,9 @@ class _Store:
             EPError: a rank died or did not arrive in time (named; see the class docstring).
         """
         data = bytes(data)
-        if self._closed:
-            raise RuntimeError(f"rank {self.rank}: this rendezvous was closed")
-        self._seq += 1
-        seq = self._seq
+        seq, what = _next_collective(self, what)
         if self.world_size == 1:
             return [data]
-        what = f"{what} #{seq}"
         if self._fatal is not None:
             raise self._error(what, self._fatal)
         t = self.timeout_s if timeout_s is None else float(timeout_s)
@@ -912,13 +917,9 @@ class _TorchStore:
         import datetime
 
         data = bytes(data)
-        if self._closed:
-            raise RuntimeError(f"rank {self.rank}: this rendezvous was closed")
-        self._seq += 1
-        seq = self._seq
+        seq, what = _next_collective(self, what)
         if self.world_size == 1:
             return [data]
-        what = f"{what} #{seq}"
         t = self.timeout_s if timeout_s is None else float(timeout_s)
         keys = [self._key(seq, r) for r in range(self.world_size)]
         failed = self._key(seq, "failed")

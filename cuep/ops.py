@@ -16,6 +16,7 @@ import ml_dtypes
 import numpy as np
 
 from . import _kernels
+from .params import c_contiguous
 from .interop import torch_aware
 from .formats import (GLOBAL_SCALE_MAX, GLOBAL_SCALE_MIN, SCALE_TILE_BYTES, SCALE_TILE_ROWS, Format, ceil_div,
                       check_hidden, get_format)
@@ -79,7 +80,7 @@ def _check_array(a, argname: str, dtypes, ndim: int, shape=None, align: int = 16
             if shape[k] is not None and got[k] != shape[k]:
                 want_s = ", ".join("*" if w is None else str(w) for w in shape)
                 raise ValueError(f"{argname} must have shape [{want_s}], got {a.shape}")
-    if not _c_contiguous(a):
+    if not c_contiguous(a):
         raise ValueError(f"{argname} must be C-contiguous (the kernels ignore strides); use cupy.ascontiguousarray")
     mem = a.data
     dev = cupy.cuda.runtime.getDevice()
@@ -90,14 +91,6 @@ def _check_array(a, argname: str, dtypes, ndim: int, shape=None, align: int = 16
     if a.size and mem.ptr % align:
         raise ValueError(f"{argname} starts at address {a.data.ptr:#x}, not on a {align}-byte boundary (the kernels "
                          f"read it with {align}-byte loads): pass a fresh array, e.g. a .copy()")
-
-
-def _c_contiguous(a) -> bool:
-    """``a.flags.c_contiguous`` without building the flags object (CuPy keeps the flag as ``_c_contiguous``)."""
-    try:
-        return a._c_contiguous
-    except AttributeError:
-        return a.flags.c_contiguous
 
 
 def _check_global_scale(global_scale) -> np.float32:

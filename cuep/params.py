@@ -121,6 +121,15 @@ def pointer(a) -> int:
     return 0 if a is None else int(a.data.ptr)
 
 
+def c_contiguous(a) -> bool:
+    """``a.flags.c_contiguous`` without building the flags object (CuPy keeps the flag as ``_c_contiguous``); the
+    kernels ignore strides, so every array argument is checked with it."""
+    try:
+        return a._c_contiguous
+    except AttributeError:
+        return a.flags.c_contiguous
+
+
 def kernel_argument(rec: np.ndarray) -> np.void:
     """The struct as the kernel takes it by value: the record's bytes as one ``numpy.void`` (CuPy copies them
     into the launch's parameter space)."""

@@ -369,6 +369,20 @@ def log(msg: str) -> None:
 
 
 # ---- the run -----------------------------------------------------------------------------------------------------
+def run_meta(tool: str, argv, devices: list[int], n_ranks: int, notes: list[str], gpus=None, **extra) -> dict:
+    """The "meta" block of a bench JSON: tool, argv, time, versions (cuep, CuPy, CUDA, Python), devices and notes."""
+    import cupy
+
+    import cuep
+
+    return {"tool": tool, "argv": argv, "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "cuep_version": cuep.__version__, "cupy_version": cupy.__version__,
+            "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion(),
+            "cuda_driver": cupy.cuda.runtime.driverGetVersion(), "python": platform.python_version(),
+            "devices": devices, "gpus": _device_info(devices) if gpus is None else gpus, "n_ranks": n_ranks,
+            **extra, "notes": notes}
+
+
 def _device_info(devices: list[int]) -> list[dict]:
     import cupy
 
@@ -418,12 +432,7 @@ def run(plan: Plan) -> tuple[dict, int]:
     for n in notes:
         log(n)
     info = _device_info(devices)
-    doc = {"meta": {"tool": "python -m cuep.bench", "argv": plan.argv,
-                    "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                    "cuep_version": cuep.__version__, "cupy_version": cupy.__version__,
-                    "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion(),
-                    "cuda_driver": cupy.cuda.runtime.driverGetVersion(), "python": platform.python_version(),
-                    "devices": devices, "gpus": info, "n_ranks": R, "gated": plan.gate, "notes": notes},
+    doc = {"meta": run_meta("python -m cuep.bench", plan.argv, devices, R, notes, gpus=info, gated=plan.gate),
            "config": asdict(plan) | {"points": plan.points()}, "ceilings": None, "nccl": None, "results": [],
            "errors": []}
 

@@ -48,9 +48,7 @@ layout floor, host us) last; ``floor.json`` under ``--out`` with every run. Noth
 """
 from __future__ import annotations
 
-import datetime as _dt
 import math
-import platform
 import statistics
 import sys
 import time
@@ -502,7 +500,7 @@ def run(plan) -> tuple[dict, int]:
     import cuep
 
     from . import cases, kernels, timing
-    from .__main__ import _device_info
+    from .__main__ import run_meta
 
     dev = (plan.devices or [0])[0]
     devs = [dev]
@@ -516,12 +514,7 @@ def run(plan) -> tuple[dict, int]:
     gate = timing.StartGate(devs)
     flusher = timing.L2Flusher(devs)
     T = max_tokens(plan)
-    doc = {"meta": {"tool": "python -m cuep.bench --floor", "argv": plan.argv,
-                    "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                    "cuep_version": cuep.__version__, "cupy_version": cupy.__version__,
-                    "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion(),
-                    "cuda_driver": cupy.cuda.runtime.driverGetVersion(), "python": platform.python_version(),
-                    "devices": devs, "gpus": _device_info(devs), "n_ranks": 1, "notes": notes},
+    doc = {"meta": run_meta("python -m cuep.bench --floor", plan.argv, devs, 1, notes),
            "config": {"hidden": plan.hidden, "top_k": plan.top_k, "n_experts": plan.n_experts, "max_tokens": T,
                       "floor_n": list(plan.floor_n), "formats": list(plan.formats), "ops": list(plan.ops),
                       "repeats": plan.repeats, "warmup": plan.warmup, "series": plan.series,
