@@ -31,7 +31,10 @@ log = logging.getLogger("cuep")
 MAX_TOP_K = 32  # one warp lane per top-k choice
 EMPTY = np.uint64(0xFFFFFFFFFFFFFFFF)
 ERROR_STATUS = {1: "timed out waiting", 2: "expert id out of range", 3: "same expert twice in one token's top-k"}
-KERNEL_NAMES = {1: "dispatch (send)", 2: "dispatch (receive)", 3: "combine (send)", 4: "combine (receive)"}
+KERNEL_NAMES = {1: "dispatch (send)", 2: "dispatch (receive)", 3: "combine (send)", 4: "combine (receive)",
+                5: "dispatch (send, multi-node)", 6: "dispatch (forward, multi-node)",
+                7: "dispatch (receive, multi-node)", 8: "combine (send, multi-node)",
+                9: "combine (forward, multi-node)", 10: "combine (receive, multi-node)"}
 
 
 @dataclass
@@ -60,6 +63,7 @@ class _Rank:
     # combine outputs (persistent)
     combined: object = None
     combined_unreduced: object = None
+    node: object = None         # cuep.internode.NodeState with n_nodes > 1 (mem is then None)
 
     @property
     def base(self) -> int:
@@ -105,9 +109,10 @@ class Buffer:
             raise RuntimeError("group was closed (group.close()); create a new one with cuep.init() or "
                                "cuep.init_distributed()")
         if cfg.n_nodes > 1:
-            raise NotImplementedError(
-                f"n_nodes={cfg.n_nodes}: cuep has only the intranode NVLink transport (peer pointers); a multi-node "
-                f"transport (NVSHMEM / InfiniBand) is not implemented yet. cuep.reference simulates several nodes.")
+            from . import internode, nvshmem
+
+            internode.check_config(cfg, group)
+            nvshmem.require(f"cfg.n_nodes={cfg.n_nodes} (a Buffer across nodes)")
         if cfg.n_ranks != group.n_ranks:
             raise ValueError(f"cfg.n_ranks={cfg.n_ranks} (n_gpus_per_node x n_nodes) must equal the group's "
                              f"{group.n_ranks} ranks")
@@ -136,6 +141,9 @@ class Buffer:
         if not 1 <= self.num_sms <= sms:
             raise ValueError(f"num_sms={num_sms} must be in 1..{sms} (the device's multiprocessors)")
         gib = 2**30
+        if cfg.n_nodes > 1:
+            self._init_nodes()
+            return
         log.info("cuep: allocating %.3f GiB symmetric + %.3f GiB outputs per rank on %d rank(s)",
                  cfg.buffer_bytes / gib, cfg.output_bytes / gib, group.n_local)
         for rank, dev in zip(group.ranks, group.devices):
@@ -148,21 +156,49 @@ class Buffer:
         self.reset()  # collective: no rank writes into a peer before every peer's memory is initialised
 
     # ---- set-up --------------------------------------------------------------------------------------------
-    def _alloc_rank(self, rank: int, dev: int) -> _Rank:
+    def _init_nodes(self) -> None:
+        """Several nodes (one process per rank): NVSHMEM initialised once per process (UID bootstrap through the
+        group), this rank's heap (:mod:`cuep.internode`), outputs in device memory. Collective."""
+        import cupy
+
+        from . import internode, nvshmem
+
+        cfg, group = self.cfg, self.group
+        rank, dev = group.ranks[0], group.devices[0]
+        internode.heap_need_env(cfg)
+        info = nvshmem.init(group, dev)
+        self._nvshmem = True
+        with cupy.cuda.Device(dev):
+            internode.load_kernels()  # the first use compiles (the transport is known once built)
+        #: how remote puts travel: "ibgda" (GPU-initiated) or "proxy" (NVSHMEM's CPU proxy thread)
+        self.transport = nvshmem.device_transport()
+        log.info("cuep: %s + %.3f GiB outputs; NVSHMEM %s, %s transport between nodes%s", internode.describe(cfg),
+                 cfg.output_bytes / 2**30, info.get("version"), self.transport,
+                 "" if self.transport == "ibgda" else " (remote puts through NVSHMEM's CPU proxy thread; "
+                 "docs/internode.md says how to get IBGDA)")
+        self._atexit = functools.partial(_close_at_exit, weakref.ref(self))
+        atexit.register(self._atexit)
+        with cupy.cuda.Device(dev):
+            r = self._alloc_rank(rank, dev, node=True)
+            self._ranks.append(r)
+            r.node = internode.NodeState(self, r)
+        self.reset()
+
+    def _alloc_rank(self, rank: int, dev: int, node: bool = False) -> _Rank:
         import cupy
         import ml_dtypes
 
         cfg = self.cfg
+        H = cfg.hidden
         try:
-            mem = cupy.cuda.Memory(cfg.buffer_bytes)
+            # several nodes: the symmetric memory is NVSHMEM's heap (cuep.internode); tokens is a plain output
+            mem = cupy.cuda.Memory(cfg.capacity * cfg.payload_bytes if node else cfg.buffer_bytes)
         except cupy.cuda.memory.OutOfMemoryError as e:
             raise MemoryError(f"rank {rank} on GPU {dev}: cannot allocate {cfg.buffer_bytes / 2**30:.2f} GiB of "
                               f"symmetric memory ({cfg.describe()}); lower max_tokens_per_rank") from e
         hptr, dptr, err = _host_mapped_int32(4)
         self._mapped.append(hptr)
-        off, size = cfg.buffer_regions["tokens"]
-        ptr = cupy.cuda.MemoryPointer(mem, off)
-        H = cfg.hidden
+        ptr = cupy.cuda.MemoryPointer(mem, 0 if node else cfg.buffer_regions["tokens"][0])
         if cfg.fmt.name == "bf16":
             tokens = cupy.ndarray((cfg.capacity, H), dtype=ml_dtypes.bfloat16, memptr=ptr)
         else:
@@ -174,6 +210,8 @@ class Buffer:
         else:
             scales = None
         G, S, T, K = cfg.n_groups, cfg.n_source_ranks, cfg.max_tokens_per_rank, cfg.top_k
+        if node:  # the intranode combine's message tables: unused
+            S = T = 0
         return _Rank(
             rank=rank, device=dev, mem=mem, params=None,
             err_host=err, err_host_ptr=dptr, tokens=tokens, scales=scales,
@@ -242,6 +280,11 @@ class Buffer:
         for r in self._ranks:
             with cupy.cuda.Device(r.device):
                 cupy.cuda.Device().synchronize()
+                if r.node is not None:  # several nodes: signals and private state (cuep.internode)
+                    r.node.rearm()
+                    cupy.cuda.Device().synchronize()
+                    r.err_host[:] = 0
+                    continue
                 rt = cupy.cuda.runtime
                 # meta holds the per-message chunk flags (round stamps): stale ones must not match a restarted round
                 for name in ("meta", "tally", "comb_ready", "comb_arrived", "counters", "stage"):
@@ -318,6 +361,7 @@ class Buffer:
         try:
             if bases:
                 self.group.release_buffers(bases)
+            self._close_nodes()
         finally:
             for p in getattr(self, "_mapped", []):
                 try:
@@ -326,6 +370,20 @@ class Buffer:
                     pass
             self._mapped = []
             self._ranks = []  # drops the last references to the cupy.cuda.Memory allocations: cudaFree
+
+    def _close_nodes(self) -> None:
+        """Several nodes: free the NVSHMEM heap (collective in NVSHMEM: every rank closes; skipped after a peer died,
+        the process's exit releases it). NVSHMEM itself ends with the group (``Group.close``)."""
+        if not getattr(self, "_nvshmem", False):
+            return
+        self._nvshmem = False
+        failed = getattr(self, "_host_error", None)
+        if failed is not None and getattr(failed, "reason", None) == "died":
+            log.warning("cuep: a peer died; NVSHMEM's heap and state are left to the process's exit")
+            return
+        for r in getattr(self, "_ranks", []):
+            if r.node is not None:
+                r.node.free()
 
     def __del__(self):
         try:

@@ -436,6 +436,7 @@ def _validate_ids(buf: Buffer, ids: list) -> None:
 
 def _dispatch(buf: Buffer, x, topk_ids, topk_weights, global_scale: float, phases: int, validate: bool = False):
     call = "cuep.dispatch" if phases & PHASE_RECV else "cuep.dispatch_async"
+    recv = bool(phases & PHASE_RECV)
     _check_buffer(buf, "cuep.dispatch")
     buf.check()
     n = len(buf._ranks)
@@ -455,10 +456,16 @@ def _dispatch(buf: Buffer, x, topk_ids, topk_weights, global_scale: float, phase
             _topk_ids=ids[i], _has_weights=ws[i] is not None, _buffer=buf))
     # every launch of a call that sends and receives says so, so a rank's send and receive phases agree on it
     local_x = PHASE_LOCAL_X if (phases & PHASE_SEND and phases & PHASE_RECV) else 0
+    if buf._ranks[0].node is not None:  # several nodes (one rank per process): cuep.internode
+        from . import internode
+
+        internode.dispatch(buf, xs[0], ids[0], ws[0], float(global_scale), results[0].num_tokens,
+                           send=bool(phases & PHASE_SEND), recv=bool(phases & PHASE_RECV))
+        phases = 0  # launched
     runtime = _cp().cuda.runtime
     home = dev = runtime.getDevice()
     try:
-        for i, ph in host.order(buf, phases):
+        for i, ph in (host.order(buf, phases) if phases else ()):
             r = buf._ranks[i]
             if r.device != dev:
                 runtime.setDevice(r.device)
@@ -477,7 +484,7 @@ def _dispatch(buf: Buffer, x, topk_ids, topk_weights, global_scale: float, phase
     rounds["dispatches"] += 1
     for d in results:
         d._seq = rounds["dispatches"]
-    if not phases & PHASE_RECV:
+    if not recv:
         rounds["pending"] = ("dispatch", rounds["dispatches"])
     return results
 
@@ -554,6 +561,13 @@ def dispatch_wait(pending):
         raise ValueError("dispatch_wait got the results of an earlier dispatch; pass what the pending "
                          "dispatch_async returned")
     host = _host(buf)
+    if buf._ranks[0].node is not None:  # several nodes: cuep.internode
+        from . import internode
+
+        d = by_rank[buf._ranks[0].rank]
+        internode.dispatch(buf, None, None, None, 1.0, d.num_tokens, send=False, recv=True)
+        buf._rounds["pending"] = None
+        return pending
     threads, smem = _dispatch_launch(buf, staged=False)
     runtime = _cp().cuda.runtime
     home = dev = runtime.getDevice()
@@ -686,10 +700,17 @@ def _combine(buf: Buffer, expert_out, dispatched, topk_weights, residual, phases
     # every launch of a call that sends and receives says so: a partial-sum round with one destination rank then
     # finishes its tokens in the send half (combine/slots.cuh direct_out), and the receive half must agree
     one_call = PHASE_LOCAL_X if (phases & PHASE_SEND and phases & PHASE_RECV) else 0
+    if buf._ranks[0].node is not None:  # several nodes: cuep.internode
+        from . import internode
+
+        d = ds[0]
+        internode.combine(buf, eos[0], d._topk_ids, ws[0], res[0], outs[0], d.num_tokens, modes[0],
+                          send=bool(phases & PHASE_SEND), recv=bool(phases & PHASE_RECV))
+        phases = 0  # launched
     runtime = _cp().cuda.runtime
     home = dev = runtime.getDevice()
     try:
-        for i, ph in host.order(buf, phases):
+        for i, ph in (host.order(buf, phases) if phases else ()):
             r, d = buf._ranks[i], ds[i]
             if r.device != dev:
                 runtime.setDevice(r.device)
@@ -706,7 +727,7 @@ def _combine(buf: Buffer, expert_out, dispatched, topk_weights, residual, phases
             runtime.setDevice(home)
     # combine_async leaves its half pending (with what its receive must see again); combine_wait finishes it
     rounds["pending"] = ("combine", rounds["dispatches"], modes, [pointer(e) for e in eos]) \
-        if phases == PHASE_NOTIFY | PHASE_SEND else None
+        if call == "cuep.combine_async" else None
     return outs
 
 

@@ -24,6 +24,12 @@ Rendezvous (how the processes of an IPC group find each other and swap their 64-
   and :class:`_Store`, a small TCP all-gather written with the standard library (``socket`` + ``selectors``), so
   ``python -m cuep.run`` needs nothing installed. ``cupyx.distributed`` has a store too, but it is private API.
 
+Nodes: the ranks ``0..R-1`` of a group form ``n_nodes`` nodes of ``G = gpus_per_node`` consecutive ranks (rank
+``r`` on node ``r // G``). Within a node the ranks reach each other's memory through CUDA IPC (NVLink); between nodes
+they need a network transport. The layout is declared (``init_distributed(gpus_per_node=G)``, ``python -m cuep.run
+--gpus-per-node G``) or taken from the launcher or the hosts (see :func:`_node_layout`), so tests may run several
+"nodes" on one host, even on one GPU: the layout, not the hardware, decides which path a byte takes.
+
 Faults: every collective is bounded. A rank that dies (its connection closes) or does not arrive within the
 timeout is named in a :class:`EPError` on every rank (``.rank``, ``.reason``). After a timeout the group goes on:
 the failed collective is spent on every rank (one that arrives late gets the same error), so the ranks are in step
@@ -86,6 +92,9 @@ class Group:
             and before each one the process synchronises its stream and waits at a host barrier for every rank.
             A fused kernel would spin waiting for a peer process's kernel, which without MPS may not run beside
             it on the same GPU. Host synchronisation makes this mode unusable inside a CUDA graph capture.
+        gpus_per_node: ranks per node, G: the nodes are blocks of G consecutive ranks (rank r on node r // G). It
+            divides ``n_ranks``; None (the default) becomes ``n_ranks``, one node. Kind ``"local"`` is one process,
+            so one node: G must be ``n_ranks``. Only ranks of one node share memory through CUDA IPC.
     """
 
     devices: list[int]
@@ -93,9 +102,51 @@ class Group:
     n_ranks: int
     kind: str = "local"
     phase_barrier: bool = False
+    gpus_per_node: int | None = None
     _comm: object = field(default=None, repr=False)          # _Store or _MpiComm (kind "ipc")
     _opened: dict = field(default_factory=dict, repr=False)  # IPC-mapped peer pointer -> device
     _closed: bool = field(default=False, repr=False)
+
+    def __post_init__(self):
+        if self.gpus_per_node is None:
+            self.gpus_per_node = self.n_ranks
+        g = self.gpus_per_node
+        if isinstance(g, bool) or not hasattr(g, "__index__"):
+            raise TypeError(f"gpus_per_node={g!r} must be an int (ranks per node) or None (one node)")
+        g = self.gpus_per_node = int(g)
+        if g < 1 or self.n_ranks % g:
+            raise ValueError(f"gpus_per_node={g} must be at least 1 and divide n_ranks={self.n_ranks} (nodes of "
+                             f"gpus_per_node consecutive ranks)")
+        if self.kind == "local" and g != self.n_ranks:
+            raise ValueError(f"gpus_per_node={g}: a group of kind 'local' is one process, so one node of all "
+                             f"n_ranks={self.n_ranks} ranks; several nodes need one process per rank "
+                             f"(cuep.init_distributed)")
+
+    # ---- the node layout ------------------------------------------------------------------------------------
+    @property
+    def n_nodes(self) -> int:
+        """Nodes of the group: ``n_ranks // gpus_per_node``."""
+        return self.n_ranks // self.gpus_per_node
+
+    @property
+    def node(self) -> int:
+        """This process's node (the node of ``ranks[0]``; kind ``"local"``: 0, the only one)."""
+        return self.node_of(self.ranks[0])
+
+    def node_of(self, rank: int) -> int:
+        """The node of global rank ``rank`` (``rank // gpus_per_node``)."""
+        if isinstance(rank, bool) or not hasattr(rank, "__index__") or not 0 <= int(rank) < self.n_ranks:
+            raise ValueError(f"rank={rank!r} must be an int in 0..{self.n_ranks - 1} (n_ranks={self.n_ranks})")
+        return int(rank) // self.gpus_per_node
+
+    def node_ranks(self, node: int | None = None) -> list[int]:
+        """The global ranks of ``node`` (default this process's node), in order: ``gpus_per_node`` consecutive."""
+        if node is None:
+            node = self.node
+        if isinstance(node, bool) or not hasattr(node, "__index__") or not 0 <= int(node) < self.n_nodes:
+            raise ValueError(f"node={node!r} must be an int in 0..{self.n_nodes - 1} (n_nodes={self.n_nodes})")
+        first = int(node) * self.gpus_per_node
+        return list(range(first, first + self.gpus_per_node))
 
     @property
     def shares_devices(self) -> bool:
@@ -128,6 +179,21 @@ class Group:
             self._check_open()
             self._comm.barrier(timeout_s)
 
+    def broadcast(self, data: bytes, root: int = 0, timeout_s: float | None = None) -> bytes:
+        """Rank ``root``'s ``data`` on every process. Collective, through :meth:`allgather`: every process passes
+        bytes, but only the root's travel (the others may pass ``b""``). Kind ``"local"``: ``data`` itself.
+
+        Raises:
+            ValueError: ``root`` not a rank of the group.
+            EPError: as :meth:`allgather`.
+        """
+        if isinstance(root, bool) or not hasattr(root, "__index__") or not 0 <= int(root) < self.n_ranks:
+            raise ValueError(f"root={root!r} must be an int in 0..{self.n_ranks - 1} (n_ranks={self.n_ranks})")
+        if self.kind == "local":
+            return bytes(data)
+        root = int(root)
+        return self.allgather(bytes(data) if self.ranks[0] == root else b"", timeout_s)[root]
+
     def share_buffers(self, mems: list) -> list[int]:
         """Base address of every rank's symmetric allocation as this process sees it (index = global rank).
 
@@ -135,9 +201,11 @@ class Group:
             mems: this process's ``cupy.cuda.Memory`` allocations, one per local rank (direct ``cudaMalloc``s:
                 an IPC handle names the base of an allocation, never a sub-allocation of CuPy's pool).
 
-        Kind ``"local"``: the pointers themselves (peer access is enabled). Kind ``"ipc"``: collective; the
-        64-byte ``cudaIpcGetMemHandle`` of this rank's allocation is all-gathered and every peer's is opened
-        with ``cudaIpcOpenMemHandle`` (lazy peer access). Release them with :meth:`release_buffers`.
+        Kind ``"local"``: the pointers themselves (peer access is enabled). Kind ``"ipc"``: collective over the
+        whole group; the 64-byte ``cudaIpcGetMemHandle`` of this rank's allocation is all-gathered and the handle
+        of every peer on this process's node (:meth:`node_ranks`) is opened with ``cudaIpcOpenMemHandle`` (lazy
+        peer access). IPC does not cross hosts: a rank of another node gets base 0 (reach it through the
+        network transport). Release them with :meth:`release_buffers`.
         """
         if len(mems) != self.n_local:
             raise ValueError(f"share_buffers got {len(mems)} allocation(s); this process drives {self.n_local} "
@@ -156,9 +224,13 @@ class Group:
             handles = self.allgather(rt.ipcGetMemHandle(own))
             bases, opened = [], []
             try:
+                mine = set(self.node_ranks())
                 for rank, handle in enumerate(handles):
                     if rank == me:
                         bases.append(own)
+                        continue
+                    if rank not in mine:  # another node: no IPC, even when it runs on this host
+                        bases.append(0)
                         continue
                     ptr = int(rt.ipcOpenMemHandle(handle, 1))  # cudaIpcMemLazyEnablePeerAccess
                     opened.append(ptr)
@@ -198,6 +270,9 @@ class Group:
         self._closed = True
         try:
             self.release_buffers(list(self._opened))
+            nv = sys.modules.get("cuep.nvshmem")  # several nodes: NVSHMEM lives as long as the group
+            if nv is not None and nv.is_initialized():
+                nv.shutdown()
         finally:
             if self._comm is not None:
                 self._comm.close()
@@ -207,7 +282,8 @@ class Group:
             raise RuntimeError("this cuep group was closed (group.close())")
 
     def __repr__(self) -> str:
-        extra = ", phase_barrier=True" if self.phase_barrier else ""
+        extra = f", gpus_per_node={self.gpus_per_node}" if self.n_nodes > 1 else ""
+        extra += ", phase_barrier=True" if self.phase_barrier else ""
         return f"Group(kind={self.kind!r}, n_ranks={self.n_ranks}, ranks={self.ranks}, devices={self.devices}{extra})"
 
 
@@ -292,6 +368,7 @@ class _LaunchEnv:
     backend: str           # "tcp" (cuep's store), "mpi" (mpi4py) or "torch" (torch.distributed's store)
     addr: str | None = None
     port: int | None = None
+    local_world_size: int | None = None  # LOCAL_WORLD_SIZE: ranks per node as the launcher sees it, if it says
 
 
 def _int_var(env, name: str) -> int:
@@ -304,12 +381,23 @@ def _int_var(env, name: str) -> int:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
 
 
+def _local_world_size(env) -> int | None:
+    """``LOCAL_WORLD_SIZE`` (set by torchrun and ``python -m cuep.run``: ranks per node), or None when unset."""
+    if "LOCAL_WORLD_SIZE" not in env:
+        return None
+    n = _int_var(env, "LOCAL_WORLD_SIZE")
+    if n < 1:
+        raise ValueError(f"environment variable LOCAL_WORLD_SIZE={n} must be at least 1")
+    return n
+
+
 def _launch_env(env=None) -> _LaunchEnv:
     """Read rank, world size, local rank and the rendezvous address from the launcher's environment variables.
 
     torchrun-style variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``LOCAL_RANK``) win when
     all four of the first are set: cuep's TCP store. Otherwise mpirun's (``OMPI_COMM_WORLD_RANK``/``SIZE``/
     ``LOCAL_RANK``, or ``PMI_RANK``/``PMI_SIZE``): mpi4py. ``LOCAL_RANK`` defaults to the rank (one node).
+    ``LOCAL_WORLD_SIZE``, if set, is the launcher's ranks per node (a hint for :func:`_node_layout`).
     The store listens on ``MASTER_PORT``, unless ``CUEP_STORE_PORT`` names another port; under torchrun's agent
     store (``TORCHELASTIC_USE_AGENT_STORE=True``, torchrun already serves ``MASTER_PORT``) on ``MASTER_PORT + 1``.
 
@@ -337,13 +425,13 @@ def _launch_env(env=None) -> _LaunchEnv:
                 port += 1
         if not 1 <= port <= 65535:
             raise ValueError(f"environment variable {port_var}={env[port_var]!r} is not a TCP port (1..65535)")
-        out = _LaunchEnv(rank, world, local, "tcp", addr, port)
+        out = _LaunchEnv(rank, world, local, "tcp", addr, port, _local_world_size(env))
         names = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
     else:
         rank, world = _int_var(env, mpi[0]), _int_var(env, mpi[1])
         local_var = next((v for v in _MPI_LOCAL_VARS if v in env), None)
         local = _int_var(env, local_var) if local_var else rank
-        out = _LaunchEnv(rank, world, local, "mpi")
+        out = _LaunchEnv(rank, world, local, "mpi", local_world_size=_local_world_size(env))
         names = (mpi[0], mpi[1], local_var or mpi[0])
     if world < 1:
         raise ValueError(f"environment variable {names[1]}={world} must be at least 1")
@@ -352,6 +440,112 @@ def _launch_env(env=None) -> _LaunchEnv:
     if local < 0:
         raise ValueError(f"environment variable {names[2]}={local} must not be negative")
     return out
+
+
+_DECLARE = "declare the nodes with init_distributed(gpus_per_node=G) or `python -m cuep.run --gpus-per-node G`"
+
+
+def _check_gpus_per_node(g, world_size: int, name: str = "gpus_per_node") -> int:
+    """``g`` as ranks per node of ``world_size`` ranks: an int in 1..MAX_RANKS that divides ``world_size``."""
+    if isinstance(g, bool) or not hasattr(g, "__index__"):
+        raise TypeError(f"{name}={g!r} must be an int (ranks per node) or None (from the launcher or the hosts)")
+    g = int(g)
+    if g < 1:
+        raise ValueError(f"{name}={g} must be at least 1")
+    if world_size % g:
+        raise ValueError(f"{name}={g} must divide the world size {world_size} (nodes of {name} consecutive ranks)")
+    if g > MAX_RANKS:
+        raise ValueError(f"{name}={g} exceeds {MAX_RANKS} (MAX_RANKS, the NVLink domain cuep supports per node)")
+    return g
+
+
+def _spanning_node(hosts: list[str], g: int) -> tuple[int, list[str]] | None:
+    """The first node of ``g`` consecutive ranks whose ranks run on several hosts, and those hosts; None if none."""
+    for first in range(0, len(hosts), g):
+        names = sorted(set(hosts[first:first + g]))
+        if len(names) > 1:
+            return first // g, names
+    return None
+
+
+def _node_layout(world_size: int, hosts: list[str], gpus_per_node: int | None = None,
+                 local_world_size: int | None = None) -> int:
+    """G, the ranks per node of a group of ``world_size`` ranks (node k holds ranks ``k*G .. k*G + G - 1``).
+
+    Taken from the first that says:
+
+    1. ``gpus_per_node``, as declared (several nodes may then share a host, even a GPU: for tests);
+    2. ``local_world_size`` (the launcher's ``LOCAL_WORLD_SIZE``), when it divides ``world_size`` and no node it
+       makes spans two hosts (else, ignored with a warning);
+    3. the hosts: the ranks of one host form a node, so each host must run one consecutive block of ranks, every
+       host as many.
+
+    Whatever the source, no node may span hosts (CUDA IPC does not cross them), and a node holds 1..MAX_RANKS (8)
+    ranks, so a group of more than 8 ranks must form several nodes.
+
+    Args:
+        world_size: ranks in the group.
+        hosts: host name of every rank, ``[world_size]``, index = rank.
+        gpus_per_node: the declared ranks per node, or None.
+        local_world_size: the launcher's ranks per node, or None.
+
+    Raises:
+        TypeError: ``gpus_per_node`` not an int.
+        ValueError: naming the source and the rule it breaks: G < 1, G not dividing ``world_size``, G > 8, a node
+            spanning hosts, or hosts whose ranks are not consecutive blocks of equal size.
+    """
+    if len(hosts) != world_size:
+        raise ValueError(f"hosts has {len(hosts)} entries for {world_size} ranks")
+    if gpus_per_node is not None:
+        g = _check_gpus_per_node(gpus_per_node, world_size)
+        span = _spanning_node(hosts, g)
+        if span is not None:
+            node, names = span
+            raise ValueError(f"gpus_per_node={g} puts ranks {node * g}..{node * g + g - 1} (node {node}) on hosts "
+                             f"{', '.join(names)}: a node may not span hosts (CUDA IPC does not cross them); the "
+                             f"hosts run {_host_blocks(hosts)}")
+        return g
+    if local_world_size is not None:
+        lws = int(local_world_size)
+        if lws >= 1 and world_size % lws == 0 and _spanning_node(hosts, lws) is None:
+            return _check_gpus_per_node(lws, world_size, "LOCAL_WORLD_SIZE")
+        log.warning("cuep: LOCAL_WORLD_SIZE=%d does not fit WORLD_SIZE=%d on hosts %s (it must divide the world "
+                    "size, and no node may span hosts); the hosts decide the nodes", lws, world_size,
+                    _host_blocks(hosts))
+    blocks: list[tuple[str, int]] = []  # (host, ranks) of each run of consecutive ranks on one host
+    for host in hosts:
+        if blocks and blocks[-1][0] == host:
+            blocks[-1] = (host, blocks[-1][1] + 1)
+        else:
+            blocks.append((host, 1))
+    rule = (f"with no declared layout the ranks of each host form a node, so each host must run one consecutive "
+            f"block of ranks, every host as many; {_DECLARE}")
+    names = [h for h, _ in blocks]
+    twice = next((h for h in names if names.count(h) > 1), None)
+    if twice is not None:
+        ranks = [r for r, h in enumerate(hosts) if h == twice]
+        raise ValueError(f"the ranks of host {twice} ({_ranks(ranks)}) are not consecutive: {rule}")
+    sizes = {n for _, n in blocks}
+    if len(sizes) > 1:
+        raise ValueError(f"the hosts run different numbers of ranks ({_host_blocks(hosts)}): {rule}")
+    g = sizes.pop()
+    if g > MAX_RANKS:
+        where = "one host" if len(blocks) == 1 else f"each of {len(blocks)} hosts"
+        raise ValueError(f"WORLD_SIZE={world_size}: {where} runs {g} ranks, one node, and a node holds at most "
+                         f"{MAX_RANKS} ranks (MAX_RANKS, the NVLink domain cuep supports per node); for more ranks "
+                         f"{_DECLARE} (at most {MAX_RANKS})")
+    return g
+
+
+def _host_blocks(hosts: list[str]) -> str:
+    """``a: ranks 0..3, b: ranks 4..7`` (each run of consecutive ranks on one host)."""
+    out, first = [], 0
+    for r in range(1, len(hosts) + 1):
+        if r == len(hosts) or hosts[r] != hosts[first]:
+            out.append(f"{hosts[first]}: rank{'s' if r - first > 1 else ''} "
+                       f"{first if r - first == 1 else f'{first}..{r - 1}'}")
+            first = r
+    return ", ".join(out)
 
 
 def _default_device(local_rank: int, n_visible: int) -> int:
@@ -385,8 +579,9 @@ def _connect(env: _LaunchEnv, timeout_s: float, dist=None):
 RENDEZVOUS = ("auto", "torch", "env")
 
 
-def init_distributed(device: int | None = None, timeout_s: float = 60.0, *, rendezvous: str = "auto") -> Group:
-    """This process as one rank of a group of one process per GPU (buffers shared through CUDA IPC).
+def init_distributed(device: int | None = None, timeout_s: float = 60.0, *, rendezvous: str = "auto",
+                     gpus_per_node: int | None = None) -> Group:
+    """This process as one rank of a group of one process per GPU (buffers shared through CUDA IPC within a node).
 
     Collective: every process of the group calls it. The chosen device becomes the current CUDA device of this
     process. Rank, group size and rendezvous come from:
@@ -398,6 +593,12 @@ def init_distributed(device: int | None = None, timeout_s: float = 60.0, *, rend
     * otherwise the launcher's environment (``python -m cuep.run``, torchrun or mpirun; see :func:`_launch_env`):
       cuep's own TCP store on ``MASTER_PORT`` (a dead peer is named at once), or mpi4py.
 
+    The node layout (:attr:`Group.gpus_per_node`: nodes of G consecutive ranks) comes from ``gpus_per_node``, else
+    the launcher's ``LOCAL_WORLD_SIZE`` when it divides the world size and fits the hosts, else the hosts (the
+    ranks of one host form a node); see :func:`_node_layout`. Ranks may run on several hosts (each host one or
+    more nodes; a node never spans hosts), and the group may exceed 8 ranks when it forms several nodes of at most
+    8.
+
     Args:
         device: CUDA device of this rank; default ``LOCAL_RANK`` modulo the visible devices. More ranks than
             GPUs put several ranks on one GPU: every round then runs phase by phase with host barriers between
@@ -408,15 +609,20 @@ def init_distributed(device: int | None = None, timeout_s: float = 60.0, *, rend
         rendezvous: ``"auto"`` (torch.distributed's store when initialised, else the environment), ``"torch"``
             (require an initialised torch.distributed) or ``"env"`` (never torch's; cuep's store must then listen
             on a port torch does not use: ``CUEP_STORE_PORT``).
+        gpus_per_node: ranks per node, 1..8, dividing the world size; the same on every rank. Declaring it lets
+            one host (even one GPU) run several nodes, for tests. Default: from the launcher or the hosts.
 
     Returns:
         ``Group(kind="ipc")`` with one local rank; its :meth:`Group.close` (also run at exit) releases the IPC
         mappings and the rendezvous.
 
     Raises:
-        ValueError: a launcher variable missing or malformed (named), more than 8 ranks, an unknown device.
-        RuntimeError: no GPU, ranks on different hosts (cuep's transport is NVLink within one node), or
-            ``rendezvous="torch"`` without an initialised torch.distributed.
+        TypeError: ``gpus_per_node`` not an int.
+        ValueError: a launcher variable missing or malformed (named); an unknown device; a node layout that breaks
+            a rule (named with its source: ``gpus_per_node`` below 1, not dividing the world size, above 8 or
+            not the same on every rank; a node spanning hosts; hosts whose ranks are not consecutive blocks of
+            equal size; one node of more than 8 ranks).
+        RuntimeError: no GPU, or ``rendezvous="torch"`` without an initialised torch.distributed.
         TimeoutError: a rank that never connected to cuep's store (named).
         EPError: a rank that died or did not arrive at an all-gather (named).
     """
@@ -429,13 +635,14 @@ def init_distributed(device: int | None = None, timeout_s: float = 60.0, *, rend
     if dist is not None:
         rank = dist.get_rank()
         local = _int_var(os.environ, "LOCAL_RANK") if "LOCAL_RANK" in os.environ else rank
-        env = _LaunchEnv(rank, dist.get_world_size(), local, "torch")
+        env = _LaunchEnv(rank, dist.get_world_size(), local, "torch",
+                         local_world_size=_local_world_size(os.environ))
     else:
         env = _launch_env()
     if not (timeout_s > 0 and timeout_s < float("inf")):
         raise ValueError(f"timeout_s={timeout_s!r} must be a positive number of seconds")
-    if env.world_size > MAX_RANKS:
-        raise ValueError(f"WORLD_SIZE={env.world_size}: a node-local group holds at most {MAX_RANKS} ranks")
+    if gpus_per_node is not None:  # what needs no peer is checked before any GPU or connection
+        gpus_per_node = _check_gpus_per_node(gpus_per_node, env.world_size)
     n_dev = _require_gpu("cuep.init_distributed")
     import cupy
 
@@ -446,18 +653,23 @@ def init_distributed(device: int | None = None, timeout_s: float = 60.0, *, rend
     bus = cupy.cuda.runtime.deviceGetPCIBusId(dev)
     comm = _connect(env, timeout_s, dist)
     try:
-        me = json.dumps({"host": socket.gethostname(), "bus": bus.lower(), "device": dev}).encode()
+        me = json.dumps({"host": socket.gethostname(), "bus": bus.lower(), "device": dev,
+                         "gpus_per_node": gpus_per_node, "local_world_size": env.local_world_size}).encode()
         peers = [json.loads(b) for b in comm.allgather(me)]
-        hosts = sorted({p["host"] for p in peers})
-        if len(hosts) > 1:
-            raise RuntimeError(f"the ranks run on {len(hosts)} hosts ({', '.join(hosts)}); cuep's IPC transport "
-                               f"reaches peers over NVLink within one node only")
-        gpus = [p["bus"] for p in peers]
+        declared = [p["gpus_per_node"] for p in peers]
+        odd = [r for r, g in enumerate(declared) if g != declared[0]]
+        if odd:
+            raise ValueError(f"gpus_per_node differs between ranks (rank 0: {declared[0]}, rank {odd[0]}: "
+                             f"{declared[odd[0]]}); every rank must pass the same")
+        told = {p["local_world_size"] for p in peers}  # the launcher's hint counts only when every rank has it
+        hosts = [p["host"] for p in peers]
+        g = _node_layout(env.world_size, hosts, declared[0], told.pop() if len(told) == 1 else None)
+        gpus = [(p["host"], p["bus"]) for p in peers]  # bus ids repeat across hosts
     except BaseException:
         comm.close()
         raise
     group = Group(devices=[dev], ranks=[env.rank], n_ranks=env.world_size, kind="ipc",
-                  phase_barrier=len(set(gpus)) < len(gpus), _comm=comm)
+                  phase_barrier=len(set(gpus)) < len(gpus), gpus_per_node=g, _comm=comm)
     atexit.register(_close_group_at_exit, weakref.ref(group))  # a weak reference: never keeps a group alive
     return group
 

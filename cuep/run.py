@@ -1,9 +1,14 @@
-"""``python -m cuep.run -n N script.py [args...]``: start N processes, one rank each, for :func:`cuep.init_distributed`.
+"""``python -m cuep.run -n N [--gpus-per-node G] script.py [args...]``: start N processes, one rank each, for
+:func:`cuep.init_distributed`.
 
 Each process runs ``sys.executable script.py args...`` with the variables torchrun sets: ``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1`` and ``MASTER_PORT`` (a free port; rank 0 serves
-cuep's rendezvous there). The device is left to the script: ``init_distributed()`` takes ``LOCAL_RANK`` modulo
-the visible GPUs, so N larger than the GPU count puts several ranks on one GPU (for tests).
+cuep's rendezvous there). Without ``--gpus-per-node`` the N ranks are one node (N is 1..8): ``LOCAL_RANK`` is the
+rank and ``LOCAL_WORLD_SIZE`` is N. With ``--gpus-per-node G`` (1..8, dividing N) they are N / G nodes of G
+consecutive ranks on this one host, as if on N / G machines: ``LOCAL_RANK = rank % G``, ``LOCAL_WORLD_SIZE = G``,
+and ``init_distributed()`` takes that layout. The device is left to the script: ``init_distributed()`` takes
+``LOCAL_RANK`` modulo the visible GPUs, so more ranks per node than GPUs put several ranks on one GPU (for tests:
+on a one-GPU machine, ``-n 4 --gpus-per-node 2`` runs two nodes of two ranks, all four on GPU 0).
 ``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` and ``NVSHMEM_DISABLE_NVLS=1`` are set unless the
 environment sets them already (NVLink multicast stays off).
 
@@ -28,6 +33,8 @@ import sys
 import threading
 import time
 
+from .group import MAX_RANKS  # ranks per node
+
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 TIMEOUT_STATUS = 124
 GRACE_S = 15.0   # default --grace-s: how long the other ranks may take to finish after one failed
@@ -42,12 +49,19 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def rank_env(rank: int, n: int, port: int, base: dict | None = None) -> dict:
-    """The environment of rank ``rank`` of ``n``: ``base`` (default ``os.environ``) plus the launcher variables."""
+def rank_env(rank: int, n: int, port: int, base: dict | None = None, gpus_per_node: int | None = None) -> dict:
+    """The environment of rank ``rank`` of ``n``: ``base`` (default ``os.environ``) plus the launcher variables.
+
+    ``gpus_per_node`` G (dividing ``n``): nodes of G consecutive ranks, ``LOCAL_RANK = rank % G`` and
+    ``LOCAL_WORLD_SIZE = G``; None: one node of ``n`` (``LOCAL_RANK = rank``).
+    """
+    g = n if gpus_per_node is None else int(gpus_per_node)
+    if g < 1 or n % g:
+        raise ValueError(f"gpus_per_node={gpus_per_node} must be at least 1 and divide n={n}")
     env = dict(os.environ if base is None else base)
     for k, v in NO_MULTICAST.items():
         env.setdefault(k, v)
-    env.update(RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(n),
+    env.update(RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank % g), LOCAL_WORLD_SIZE=str(g),
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONUNBUFFERED="1")
     return env
 
@@ -101,12 +115,14 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 
 def launch(n: int, cmd: list[str], timeout_s: float = 600.0, out=None, err=None, grace_s: float = GRACE_S,
-           procs: list | None = None) -> int:
+           procs: list | None = None, gpus_per_node: int | None = None) -> int:
     """Run ``cmd`` as ``n`` ranks; return 0, the first failure's exit status, or 124 after ``timeout_s``.
 
     After the first failure the other ranks get ``grace_s`` seconds to finish on their own before they are
     stopped. ``procs``, if given, receives the ``subprocess.Popen`` of every rank (all waited for on return).
+    ``gpus_per_node``: nodes of that many consecutive ranks (see :func:`rank_env`); None: one node.
     """
+    rank_env(0, n, 0, {}, gpus_per_node)  # a bad layout fails before any rank starts
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
     port = free_port()
@@ -122,7 +138,8 @@ def launch(n: int, cmd: list[str], timeout_s: float = 600.0, out=None, err=None,
 
     try:
         for rank in range(n):
-            p = subprocess.Popen(cmd, env=rank_env(rank, n, port), stdin=subprocess.DEVNULL,
+            p = subprocess.Popen(cmd, env=rank_env(rank, n, port, gpus_per_node=gpus_per_node),
+                                 stdin=subprocess.DEVNULL,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
             procs.append(p)
             t = threading.Thread(target=_pump, args=(rank, p.stdout, out, lock), daemon=True)
@@ -179,7 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m cuep.run", description="Start N processes of a script, one cuep rank each "
         "(cuep.init_distributed), with the variables torchrun sets; prefix their output with [rank i].")
-    p.add_argument("-n", "--nproc", type=int, required=True, help="ranks (processes) to start, 1..8")
+    p.add_argument("-n", "--nproc", type=int, required=True,
+                   help="ranks (processes) to start: 1..8 on one node, or a multiple of --gpus-per-node")
+    p.add_argument("--gpus-per-node", type=int, default=None, metavar="G",
+                   help="ranks per node, 1..8, dividing -n: -n / G nodes of G consecutive ranks on this host "
+                        "(LOCAL_RANK = rank %% G, LOCAL_WORLD_SIZE = G); default one node of all -n ranks")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds before every rank is stopped and the launcher exits 124 (default 600)")
     p.add_argument("--grace-s", type=float, default=GRACE_S,
@@ -188,8 +209,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("script", help="the Python script every rank runs")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     a = p.parse_args(argv)
-    if not 1 <= a.nproc <= 8:
-        p.error(f"-n {a.nproc}: a node-local cuep group has 1..8 ranks")
+    g = a.gpus_per_node
+    if a.nproc < 1 or (g is None and a.nproc > MAX_RANKS):
+        p.error(f"-n {a.nproc}: a node-local cuep group has 1..{MAX_RANKS} ranks (more ranks need several nodes: "
+                f"--gpus-per-node G)")
+    if g is not None and not 1 <= g <= MAX_RANKS:
+        p.error(f"--gpus-per-node {g}: a node holds 1..{MAX_RANKS} ranks (the NVLink domain cuep supports)")
+    if g is not None and a.nproc % g:
+        p.error(f"--gpus-per-node {g} must divide -n {a.nproc} (nodes of G consecutive ranks)")
     if not a.timeout > 0:
         p.error(f"--timeout {a.timeout:g} must be positive")
     if not a.grace_s >= 0:
@@ -197,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.isfile(a.script):
         p.error(f"script {a.script!r} not found")
     signal.signal(signal.SIGTERM, _interrupt)  # stopping the launcher stops its ranks too
-    return launch(a.nproc, [sys.executable, a.script, *a.args], a.timeout, grace_s=a.grace_s)
+    return launch(a.nproc, [sys.executable, a.script, *a.args], a.timeout, grace_s=a.grace_s, gpus_per_node=g)
 
 
 def _interrupt(signum, frame):

@@ -17,7 +17,7 @@ import time
 import pytest
 
 import cuep
-from cuep.group import Group, _default_device, _launch_env, _LaunchEnv, _Store
+from cuep.group import Group, _default_device, _launch_env, _LaunchEnv, _node_layout, _Store
 from cuep.run import free_port
 from conftest import N_GPUS
 
@@ -254,6 +254,9 @@ TORCH = dict(RANK="1", WORLD_SIZE="4", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1", 
 
 def test_env_torchrun_variables():
     assert _launch_env(TORCH) == _LaunchEnv(1, 4, 1, "tcp", "127.0.0.1", 29500)
+    assert _launch_env({**TORCH, "LOCAL_WORLD_SIZE": "2"}).local_world_size == 2
+    with pytest.raises(ValueError, match=r"LOCAL_WORLD_SIZE='two' is not an integer"):
+        _launch_env({**TORCH, "LOCAL_WORLD_SIZE": "two"})
     no_local = {k: v for k, v in TORCH.items() if k != "LOCAL_RANK"}
     assert _launch_env(no_local).local_rank == 1  # one node: the rank
 
@@ -315,10 +318,21 @@ def test_init_distributed_checks_the_environment_first(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(ValueError, match="WORLD_SIZE, MASTER_ADDR, MASTER_PORT are not set"):
         cuep.init_distributed()
-    for k, v in {**TORCH, "RANK": "0", "WORLD_SIZE": "9"}.items():
+    for k, v in {**TORCH, "RANK": "0", "WORLD_SIZE": "12"}.items():
         monkeypatch.setenv(k, v)
-    with pytest.raises(ValueError, match="WORLD_SIZE=9: a node-local group holds at most 8 ranks"):
+    # a declared layout needs no peer: it is checked before any GPU or connection
+    with pytest.raises(ValueError, match=r"gpus_per_node=5 must divide the world size 12"):
+        cuep.init_distributed(gpus_per_node=5)
+    with pytest.raises(ValueError, match=r"gpus_per_node=12 exceeds 8 \(MAX_RANKS"):
+        cuep.init_distributed(gpus_per_node=12)
+    with pytest.raises(ValueError, match=r"gpus_per_node=0 must be at least 1"):
+        cuep.init_distributed(gpus_per_node=0)
+    with pytest.raises(TypeError, match=r"gpus_per_node='4' must be an int"):
+        cuep.init_distributed(gpus_per_node="4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "0")
+    with pytest.raises(ValueError, match=r"LOCAL_WORLD_SIZE=0 must be at least 1"):
         cuep.init_distributed()
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(ValueError, match="timeout_s"):
         cuep.init_distributed(timeout_s=0)
@@ -567,3 +581,227 @@ def test_init_distributed_takes_torch_distributed_only_when_initialised(monkeypa
     assert _torch_distributed() is None
     dist.is_initialized = lambda: True
     assert _torch_distributed() is dist
+
+
+# ---- the node layout -------------------------------------------------------------------------------------------
+def test_group_layout_defaults_to_one_node():
+    g = Group(devices=[0, 1, 2], ranks=[0, 1, 2], n_ranks=3)
+    assert (g.gpus_per_node, g.n_nodes, g.node) == (3, 1, 0)
+    assert g.node_ranks() == g.node_ranks(0) == [0, 1, 2] and [g.node_of(r) for r in range(3)] == [0, 0, 0]
+    assert "gpus_per_node" not in repr(g)
+    ipc = Group(devices=[0], ranks=[3], n_ranks=4, kind="ipc", _comm=_FakeComm())
+    assert (ipc.gpus_per_node, ipc.n_nodes, ipc.node, ipc.node_ranks()) == (4, 1, 0, [0, 1, 2, 3])
+
+
+@pytest.mark.parametrize("rank, node, mine", [(0, 0, [0, 1, 2, 3]), (5, 1, [4, 5, 6, 7]), (11, 2, [8, 9, 10, 11])])
+def test_group_layout_of_several_nodes(rank, node, mine):
+    g = Group(devices=[0], ranks=[rank], n_ranks=12, kind="ipc", gpus_per_node=4, _comm=_FakeComm())
+    assert (g.gpus_per_node, g.n_nodes, g.node) == (4, 3, node)
+    assert g.node_ranks() == mine
+    assert [g.node_ranks(k) for k in range(3)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    assert [g.node_of(r) for r in range(12)] == [0] * 4 + [1] * 4 + [2] * 4
+    assert "gpus_per_node=4" in repr(g)
+
+
+def test_group_layout_errors_name_the_argument():
+    with pytest.raises(ValueError, match=r"gpus_per_node=3 must be at least 1 and divide n_ranks=8"):
+        Group(devices=[0], ranks=[0], n_ranks=8, kind="ipc", gpus_per_node=3)
+    with pytest.raises(ValueError, match=r"gpus_per_node=0 must be at least 1"):
+        Group(devices=[0], ranks=[0], n_ranks=8, kind="ipc", gpus_per_node=0)
+    with pytest.raises(TypeError, match=r"gpus_per_node=True must be an int"):
+        Group(devices=[0], ranks=[0], n_ranks=2, kind="ipc", gpus_per_node=True)
+    with pytest.raises(ValueError, match=r"gpus_per_node=1: a group of kind 'local' is one process, so one node"):
+        Group(devices=[0, 0], ranks=[0, 1], n_ranks=2, gpus_per_node=1)
+    g = Group(devices=[0], ranks=[1], n_ranks=4, kind="ipc", gpus_per_node=2, _comm=_FakeComm())
+    with pytest.raises(ValueError, match=r"rank=4 must be an int in 0..3 \(n_ranks=4\)"):
+        g.node_of(4)
+    with pytest.raises(ValueError, match=r"rank=-1 must be"):
+        g.node_of(-1)
+    with pytest.raises(ValueError, match=r"node=2 must be an int in 0..1 \(n_nodes=2\)"):
+        g.node_ranks(2)
+    with pytest.raises(ValueError, match=r"node=True must be"):
+        g.node_ranks(True)
+
+
+class _RankComm(_FakeComm):
+    """An all-gather as rank ``rank`` of ``n`` sees it: its own data at its index, ``others[r]`` elsewhere."""
+
+    def __init__(self, rank, others):
+        super().__init__()
+        self.rank, self.others = rank, list(others)
+
+    def allgather(self, data, timeout_s=None):
+        self.calls.append(data)
+        self.timeouts.append(timeout_s)
+        return [data if r == self.rank else o for r, o in enumerate(self.others)]
+
+
+def test_broadcast_sends_only_the_roots_bytes():
+    root = Group(devices=[0], ranks=[1], n_ranks=3, kind="ipc", _comm=_RankComm(1, [b"", b"", b""]))
+    assert root.broadcast(b"config", root=1, timeout_s=4.0) == b"config"
+    assert root._comm.calls == [b"config"] and root._comm.timeouts == [4.0]
+    other = Group(devices=[0], ranks=[2], n_ranks=3, kind="ipc", _comm=_RankComm(2, [b"zero", b"", b""]))
+    assert other.broadcast(b"ignored") == b"zero"
+    assert other._comm.calls == [b""]  # a non-root's bytes never travel
+    local = Group(devices=[0, 0], ranks=[0, 1], n_ranks=2)
+    assert local.broadcast(bytearray(b"abc"), root=1) == b"abc"
+    for bad in (3, -1, True, "0"):
+        with pytest.raises(ValueError, match=rf"root={bad!r} must be an int in 0..2 \(n_ranks=3\)"):
+            other.broadcast(b"", root=bad)
+    other.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        other.broadcast(b"")
+
+
+def _fake_ipc_cupy(monkeypatch):
+    """Just enough of CuPy's runtime for Group.share_buffers / release_buffers (kind "ipc") on the CPU."""
+    import contextlib
+    import types
+
+    log = {"opened": [], "closed": []}
+
+    def open_handle(handle, flags):
+        log["opened"].append(handle)
+        return 0x9000 + handle[0]
+
+    rt = types.SimpleNamespace(ipcGetMemHandle=lambda ptr: bytes([ptr >> 12]) * 64, ipcOpenMemHandle=open_handle,
+                               ipcCloseMemHandle=lambda ptr: log["closed"].append(ptr))
+    cuda = types.SimpleNamespace(Device=lambda dev: contextlib.nullcontext(), runtime=rt)
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=cuda))
+    return log
+
+
+@pytest.mark.parametrize("gpus_per_node, want", [(4, [0x9001, 0x9002, 0x3000, 0x9004]),  # one node: every peer
+                                                 (2, [0, 0, 0x3000, 0x9004])])           # two: this node only
+def test_share_buffers_opens_only_the_handles_of_this_node(monkeypatch, gpus_per_node, want):
+    log = _fake_ipc_cupy(monkeypatch)
+    handles = [bytes([k]) * 64 for k in (1, 2, 3, 4)]  # rank r's handle names 0x9000 + r + 1 once opened
+    comm = _RankComm(2, handles)
+    g = Group(devices=[0], ranks=[2], n_ranks=4, kind="ipc", gpus_per_node=gpus_per_node, _comm=comm)
+    bases = g.share_buffers([_Mem(0x3000)])
+    assert bases == want
+    assert comm.calls == [bytes([3]) * 64]  # the all-gather is collective over the whole group either way
+    assert log["opened"] == [h for r, h in enumerate(handles) if r != 2 and g.node_of(r) == g.node]
+    g.release_buffers(bases)
+    assert sorted(log["closed"]) == sorted(b for r, b in enumerate(want) if r != 2 and b)
+
+
+@pytest.mark.parametrize("world, hosts, declared, lws, g", [
+    (1, ["a"], None, None, 1),
+    (4, ["a"] * 4, None, None, 4),                       # one host: one node
+    (8, ["a"] * 8, None, None, 8),
+    (16, ["a"] * 8 + ["b"] * 8, None, None, 8),          # more than 8 ranks as two nodes
+    (6, ["a", "a", "b", "b", "c", "c"], None, None, 2),
+    (4, ["a"] * 4, None, 2, 2),                          # the launcher says two nodes of two (cuep.run)
+    (4, ["a"] * 4, 1, 2, 1),                             # the argument wins over the launcher
+    (4, ["a"] * 4, 4, 2, 4),
+    (16, ["a"] * 16, 8, None, 8),                        # declared: two nodes on one host
+    (8, ["a"] * 4 + ["b"] * 4, 2, None, 2),              # a host may hold several nodes
+    (8, ["a"] * 4 + ["b"] * 4, None, 8, 4),              # a LOCAL_WORLD_SIZE that spans hosts: the hosts decide
+    (6, ["a"] * 6, None, 4, 6),                          # one that does not divide: the hosts decide
+    (4, ["a", "a", "b", "b"], None, 2, 2),
+    (4, ["a"] * 4, None, 4, 4),
+])
+def test_node_layout(world, hosts, declared, lws, g):
+    assert _node_layout(world, hosts, declared, lws) == g
+
+
+@pytest.mark.parametrize("world, hosts, declared, lws, exc, match", [
+    (8, ["a"] * 8, 3, None, ValueError, r"gpus_per_node=3 must divide the world size 8"),
+    (8, ["a"] * 8, 0, None, ValueError, r"gpus_per_node=0 must be at least 1"),
+    (16, ["a"] * 16, 16, None, ValueError, r"gpus_per_node=16 exceeds 8 \(MAX_RANKS, the NVLink domain"),
+    (4, ["a"] * 4, 2.0, None, TypeError, r"gpus_per_node=2.0 must be an int"),
+    (4, ["a"] * 4, True, None, TypeError, r"gpus_per_node=True must be an int"),
+    (9, ["a"] * 9, None, None, ValueError, r"WORLD_SIZE=9: one host runs 9 ranks, one node, and a node holds at "
+                                           r"most 8 ranks .*gpus_per_node=G.*--gpus-per-node"),
+    (9, ["a"] * 9, None, 9, ValueError, r"LOCAL_WORLD_SIZE=9 exceeds 8"),
+    (32, ["a"] * 16 + ["b"] * 16, None, None, ValueError, r"each of 2 hosts runs 16 ranks, one node"),
+    (4, ["a", "b", "a", "b"], None, None, ValueError, r"the ranks of host a \(0, 2\) are not consecutive: .*each "
+                                                      r"host must run one consecutive block of ranks"),
+    (6, ["a"] * 4 + ["b"] * 2, None, None, ValueError, r"the hosts run different numbers of ranks \(a: ranks 0..3, "
+                                                       r"b: ranks 4..5\)"),
+    (4, ["a"] * 3 + ["b"], 2, None, ValueError, r"gpus_per_node=2 puts ranks 2..3 \(node 1\) on hosts a, b: a node "
+                                                r"may not span hosts \(CUDA IPC does not cross them\); the hosts run "
+                                                r"a: ranks 0..2, b: rank 3"),
+    (8, ["a"] * 4 + ["b"] * 4, 8, None, ValueError, r"gpus_per_node=8 puts ranks 0..7 \(node 0\) on hosts a, b"),
+    (3, ["a"] * 2, None, None, ValueError, r"hosts has 2 entries for 3 ranks"),
+])
+def test_node_layout_errors_name_the_source_and_the_rule(world, hosts, declared, lws, exc, match):
+    with pytest.raises(exc, match=match):
+        _node_layout(world, hosts, declared, lws)
+
+
+# ---- init_distributed end to end on the CPU: CuPy, the GPU check and the rendezvous are stand-ins ---------------
+def _fake_init(monkeypatch, rank, hosts, *, buses=None, declared=None, lws=None, env_lws=None):
+    """Run ``init_distributed`` as ``rank`` of ``len(hosts)`` on the CPU: the peers' all-gather entries come from
+    ``hosts``, ``buses`` (PCI bus ids, default all one), ``declared`` (each rank's gpus_per_node, default this
+    rank's) and ``lws`` (each rank's LOCAL_WORLD_SIZE, default this rank's)."""
+    import json
+    import types
+
+    import cuep.group as cg
+
+    world = len(hosts)
+    for v in ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "CUEP_STORE_PORT", "LOCAL_WORLD_SIZE"]:
+        monkeypatch.delenv(v, raising=False)
+    for k, v in {**TORCH, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    if env_lws is not None:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(env_lws))
+    runtime = types.SimpleNamespace(deviceGetPCIBusId=lambda dev: "0000:1B:00.0")
+    cuda = types.SimpleNamespace(Device=lambda dev: types.SimpleNamespace(use=lambda: None), runtime=runtime)
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=cuda))
+    monkeypatch.setattr(cg, "_require_gpu", lambda what: 1)
+    comm = _FakeComm()
+
+    def allgather(data, timeout_s=None):
+        mine = json.loads(data)
+        out = []
+        for r in range(world):
+            p = dict(mine, host=hosts[r], bus=(buses or ["0000:1b:00.0"] * world)[r])
+            if declared is not None:
+                p["gpus_per_node"] = declared[r]
+            if lws is not None:
+                p["local_world_size"] = lws[r]
+            out.append(json.dumps(p).encode())
+        return out
+
+    comm.allgather = allgather
+    monkeypatch.setattr(cg, "_connect", lambda env, timeout_s, dist: comm)
+    return comm
+
+
+@pytest.mark.parametrize("hosts, kw, g, phase_barrier", [
+    (["a"] * 4, dict(env_lws=2), 2, True),                              # cuep.run --gpus-per-node 2 on one GPU
+    (["a"] * 4, dict(gpus_per_node=1), 1, True),
+    (["a"] * 4, dict(env_lws=4, buses=["0", "1", "2", "3"]), 4, False),  # one node of four GPUs
+    (["a"] * 8 + ["b"] * 8, dict(buses=[str(i % 8) for i in range(16)]), 8, False),  # bus ids repeat across hosts
+    (["a"] * 8 + ["b"] * 8, dict(env_lws=8, buses=[str(i % 8) for i in range(16)]), 8, False),
+    (["a"] * 4, dict(env_lws=2, lws=[2, 2, 1, 2]), 4, True),  # the hint differs between ranks: the hosts decide
+])
+def test_init_distributed_takes_the_layout(monkeypatch, hosts, kw, g, phase_barrier):
+    buses = kw.pop("buses", None)
+    lws = kw.pop("lws", None)
+    env_lws = kw.pop("env_lws", None)
+    rank = len(hosts) - 1
+    comm = _fake_init(monkeypatch, rank, hosts, buses=buses, lws=lws, env_lws=env_lws)
+    group = cuep.init_distributed(rendezvous="env", **kw)
+    assert (group.kind, group.ranks, group.n_ranks, group.gpus_per_node) == ("ipc", [rank], len(hosts), g)
+    assert group.n_nodes == len(hosts) // g and group.node == rank // g
+    assert group.phase_barrier is phase_barrier
+    group.close()
+    assert comm.closed
+
+
+@pytest.mark.parametrize("hosts, kw, match", [
+    (["a"] * 9, {}, r"WORLD_SIZE=9: one host runs 9 ranks, one node"),
+    (["a", "b", "a", "b"], {}, r"the ranks of host a \(0, 2\) are not consecutive"),
+    (["a", "a", "b", "b"], dict(gpus_per_node=4), r"gpus_per_node=4 puts ranks 0..3 \(node 0\) on hosts a, b"),
+    (["a"] * 4, dict(gpus_per_node=2, declared=[2, 2, 1, 2]),
+     r"gpus_per_node differs between ranks \(rank 0: 2, rank 2: 1\); every rank must pass the same"),
+])
+def test_init_distributed_refuses_a_bad_layout_and_closes_the_rendezvous(monkeypatch, hosts, kw, match):
+    comm = _fake_init(monkeypatch, 1, hosts, declared=kw.pop("declared", None))
+    with pytest.raises(ValueError, match=match):
+        cuep.init_distributed(rendezvous="env", **kw)
+    assert comm.closed

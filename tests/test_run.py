@@ -177,10 +177,17 @@ def test_the_ranks_meet_through_cueps_store(tmp_path):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("args, match", [(["-n", "0"], "-n 0: a node-local cuep group has 1..8 ranks"),
-                                         (["-n", "9"], "1..8 ranks"),
-                                         (["-n", "2", "--timeout", "0"], "--timeout 0 must be positive"),
-                                         (["-n", "2", "--grace-s", "-1"], "--grace-s -1 must not be negative")])
+@pytest.mark.parametrize("args, match", [
+    (["-n", "0"], "-n 0: a node-local cuep group has 1..8 ranks"),
+    (["-n", "9"], "-n 9: a node-local cuep group has 1..8 ranks (more ranks need several nodes: --gpus-per-node G)"),
+    (["-n", "2", "--timeout", "0"], "--timeout 0 must be positive"),
+    (["-n", "2", "--grace-s", "-1"], "--grace-s -1 must not be negative"),
+    (["-n", "6", "--gpus-per-node", "4"], "--gpus-per-node 4 must divide -n 6 (nodes of G consecutive ranks)"),
+    (["-n", "18", "--gpus-per-node", "9"], "--gpus-per-node 9: a node holds 1..8 ranks"),
+    (["-n", "4", "--gpus-per-node", "0"], "--gpus-per-node 0: a node holds 1..8 ranks"),
+    (["-n", "0", "--gpus-per-node", "2"], "-n 0: a node-local cuep group has 1..8 ranks"),
+    (["-n", "4", "--gpus-per-node", "two"], "argument --gpus-per-node: invalid int value: 'two'"),
+])
 def test_bad_launcher_arguments(tmp_path, args, match):
     res, _ = launch(tmp_path, "print('never')\n", *args)
     assert res.returncode == 2 and match in res.stderr and "never" not in res.stdout
@@ -191,3 +198,40 @@ def test_a_missing_script_is_named(tmp_path):
     res = subprocess.run([sys.executable, "-m", "cuep.run", "-n", "2", str(tmp_path / "nope.py")], cwd=ROOT,
                          capture_output=True, text=True, timeout=30)
     assert res.returncode == 2 and "nope.py" in res.stderr and "not found" in res.stderr
+
+
+def test_rank_env_of_one_node_or_several():
+    from cuep.run import rank_env
+
+    one = rank_env(5, 8, 1234, base={"KEEP": "1", "NCCL_NVLS_ENABLE": "1"})
+    assert {k: one[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT")} == \
+        dict(RANK="5", WORLD_SIZE="8", LOCAL_RANK="5", LOCAL_WORLD_SIZE="8", MASTER_PORT="1234")
+    assert one["KEEP"] == "1" and one["NCCL_NVLS_ENABLE"] == "1" and one["NVSHMEM_DISABLE_NVLS"] == "1"
+    nodes = [rank_env(r, 8, 1234, base={}, gpus_per_node=4) for r in range(8)]
+    assert [e["LOCAL_RANK"] for e in nodes] == ["0", "1", "2", "3"] * 2
+    assert {e["LOCAL_WORLD_SIZE"] for e in nodes} == {"4"} and {e["WORLD_SIZE"] for e in nodes} == {"8"}
+    assert [e["RANK"] for e in nodes] == [str(r) for r in range(8)]
+    assert rank_env(2, 3, 1, base={}, gpus_per_node=1)["LOCAL_RANK"] == "0"
+    for bad in (3, 0):
+        with pytest.raises(ValueError, match=rf"gpus_per_node={bad} must be at least 1 and divide n=8"):
+            rank_env(0, 8, 1234, base={}, gpus_per_node=bad)
+
+
+@pytest.mark.timeout(60)
+def test_several_nodes_on_one_host_meet_and_agree_on_the_layout(tmp_path):
+    """``-n 10 --gpus-per-node 5``: more than 8 ranks as two nodes; every rank gets its node's local rank and
+    size, and the layout decision of init_distributed (from LOCAL_WORLD_SIZE, checked against the hosts it
+    all-gathers through cuep's store) says two nodes of five."""
+    res, _ = launch(tmp_path, """
+        import os, socket
+        from cuep.group import _connect, _launch_env, _node_layout
+        env = _launch_env()
+        store = _connect(env, timeout_s=20)
+        hosts = [h.decode() for h in store.allgather(socket.gethostname().encode())]
+        g = _node_layout(env.world_size, hosts, None, env.local_world_size)
+        print("LOCAL", os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"], "G", g, "NODE", env.rank // g)
+        store.close()
+        """, "-n", "10", "--gpus-per-node", "5")
+    assert res.returncode == 0, res.stdout + res.stderr
+    for r in range(10):
+        assert f"[rank {r}] LOCAL {r % 5} 5 G 5 NODE {r // 5}" in res.stdout, res.stdout
