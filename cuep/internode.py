@@ -35,10 +35,11 @@ NODE_PARAMS_FIELDS = (
     "n_local", "n_experts", "top_k", "hidden", "max_tokens",
     "payload_bytes", "scale_bytes", "row_bytes", "hdr_bytes",
     "row_align", "n_scales", "k_tiles", "n_groups", "shared", "capacity", "n_chunks",
-    "combine_itemsize", "comb_slots",
+    "combine_itemsize", "comb_slots", "small_tokens",
     "timeout_ns", "err_ptr", "state_ptr", "scratch_ptr", "row_of_ptr",
     "heap",
     "off_sig", "off_x_send", "off_hdr_send", "off_x_recv", "off_hdr_recv", "off_stage", "off_c_send", "off_c_recv",
+    "off_x_dir",
 )
 NODE_PARAMS_DTYPE = np.dtype([(f, np.int64) for f in NODE_PARAMS_FIELDS] +
                              [("node_heap", np.int64, (MAX_NODE_GPUS,))], align=True)
@@ -73,8 +74,8 @@ def header_bytes(cfg) -> int:
 
 
 def n_signals(cfg) -> int:
-    """uint64 signals per heap: hdr, rows, relay [2][M] each, own [2], stage [2], crecv [2][M]."""
-    return 8 * cfg.n_nodes + 4
+    """uint64 signals per heap: hdr, rows, relay [2][M] each, own [2], stage [2], crecv [2][M], direct [2][R]."""
+    return 8 * cfg.n_nodes + 4 + 2 * cfg.n_ranks
 
 
 def heap_regions(cfg) -> dict[str, tuple[int, int]]:
@@ -84,13 +85,14 @@ def heap_regions(cfg) -> dict[str, tuple[int, int]]:
     x_recv [2, M, T, row] and hdr_recv [2, M, header] (what node n's peer with my local index sent me, as
     forwarder); stage [2, M, T, K, H] (combine: node peers' partial sums or rows of the tokens I forward);
     c_send [2, M, T, H] (a forwarder's summed rows, the source of its puts); c_recv [2, T, max(K, M), H] (the
-    rows each node returns to my tokens). Combine areas in the combine dtype.
+    rows each node returns to my tokens); x_dir [2, R, S, row] (a small round's rows, put straight to me by
+    each source on another node; S = ``small_batch_tokens``). Combine areas in the combine dtype.
     """
     M, T, K, H = cfg.n_nodes, cfg.max_tokens_per_rank, cfg.top_k, cfg.hidden
     cs, rb, hb = cfg.combine_itemsize, row_bytes(cfg), header_bytes(cfg)
     sizes = [("sig", 8 * n_signals(cfg)), ("x_send", 2 * T * rb), ("hdr_send", 2 * hb), ("x_recv", 2 * M * T * rb),
              ("hdr_recv", 2 * M * hb), ("stage", 2 * M * T * K * H * cs), ("c_send", 2 * M * T * H * cs),
-             ("c_recv", 2 * T * max(K, M) * H * cs)]
+             ("c_recv", 2 * T * max(K, M) * H * cs), ("x_dir", 2 * cfg.n_ranks * cfg.small_batch_tokens * rb)]
     out, off = {}, 0
     for name, size in sizes:
         out[name] = (off, size)
@@ -159,7 +161,7 @@ class NodeState:
                                    f"(nvshmem_ptr is null): the GPUs of one node must reach each other over NVLink "
                                    f"or PCIe peer access")
             peers.append(addr)
-        self.state = cupy.zeros(STATE_BASE + 4 * cfg.n_nodes, dtype=cupy.int64)
+        self.state = cupy.zeros(STATE_BASE + 4 * cfg.n_nodes + 2 * cfg.n_ranks, dtype=cupy.int64)
         self.scratch = cupy.zeros(scratch_ints(cfg), dtype=cupy.int32)
         self.row_of = cupy.full(cfg.n_ranks * cfg.max_tokens_per_rank * cfg.top_k, -1, dtype=cupy.int32)
         self.regions = regions = heap_regions(cfg)
@@ -171,10 +173,11 @@ class NodeState:
             row_align=cfg.fmt.row_align, n_scales=cfg.n_scales, k_tiles=cfg.scale_k_tiles if cfg.n_scales else 0,
             n_groups=cfg.n_groups, shared=int(cfg.fused_shared_expert), capacity=cfg.capacity,
             n_chunks=n_chunks(cfg), combine_itemsize=cfg.combine_itemsize, comb_slots=max(cfg.top_k, cfg.n_nodes),
+            small_tokens=cfg.small_batch_tokens,
             timeout_ns=int(buf.timeout_s * 1e9), err_ptr=rank.err_host_ptr, state_ptr=pointer(self.state),
             scratch_ptr=pointer(self.scratch), row_of_ptr=pointer(self.row_of), heap=self.heap_ptr,
             **{f"off_{k}": regions[k][0] for k in ("sig", "x_send", "hdr_send", "x_recv", "hdr_recv", "stage",
-                                                  "c_send", "c_recv")})
+                                                  "c_send", "c_recv", "x_dir")})
         rec = np.zeros(1, NODE_PARAMS_DTYPE)
         for f in NODE_PARAMS_FIELDS:
             rec[f] = v[f]

@@ -40,6 +40,8 @@ def main(argv=None) -> int:
     p.add_argument("--formats", default="bf16,fp8,nvfp4,mxfp4", help="comma-separated dispatch formats")
     p.add_argument("--rounds", type=int, default=6, help="rounds per case")
     p.add_argument("--tokens", type=int, default=40, help="max_tokens_per_rank")
+    p.add_argument("--small", type=int, default=None,
+                   help="small_batch_tokens (default tokens // 2: rounds mix direct and two-hop sources)")
     p.add_argument("--seed", type=int, default=4321)
     p.add_argument("--graph", action="store_true", help="also capture dispatch + combine in a CUDA graph, replay")
     p.add_argument("--missing-peer", type=int, default=None, help="only: this rank skips a round (timeout test)")
@@ -57,7 +59,7 @@ def main(argv=None) -> int:
         for fmt_name, shared, cdt in CASES[fmt]:
             cfg = cuep.EPConfig(hidden=512, top_k=6, n_experts=24, max_tokens_per_rank=T, n_gpus_per_node=G,
                                 n_nodes=R // G, dispatch_format=fmt_name, fused_shared_expert=shared,
-                                combine_dtype=cdt)
+                                combine_dtype=cdt, small_batch_tokens=T // 2 if a.small is None else a.small)
             buf = cuep.Buffer(group, cfg, timeout_s=60.0)
             name = f"{fmt_name}{' shared' if shared else ''} combine {cdt}"
             rng = np.random.default_rng([a.seed, zlib.crc32(name.encode())])  # the same on every rank
@@ -75,7 +77,7 @@ def main(argv=None) -> int:
             group.barrier()
             buf.close()
     if a.graph:
-        graph_replay(group, T, a.seed)
+        graph_replay(group, T, a.seed, T // 2 if a.small is None else a.small)
     group.close()
     print("PASS", flush=True)
     return 0
@@ -85,14 +87,15 @@ def _inputs(rng, cfg, R):
     return make_inputs(rng, cfg, [cfg.max_tokens_per_rank] * R)
 
 
-def graph_replay(group, T: int, seed: int) -> None:
+def graph_replay(group, T: int, seed: int, small: int) -> None:
     """dispatch (weights at dispatch) -> expert_out = the dispatched rows (identity experts) -> combine, captured
     once in a CUDA graph per rank and replayed with fresh inputs copied into the captured arrays. Ranks sharing a
     GPU run the captured kernels without host barriers (the GPU time-slices the processes' spinning kernels)."""
     import cupy
 
     R, G, me = group.n_ranks, group.gpus_per_node, group.ranks[0]
-    cfg = cuep.EPConfig(hidden=512, top_k=6, n_experts=24, max_tokens_per_rank=T, n_gpus_per_node=G, n_nodes=R // G)
+    cfg = cuep.EPConfig(hidden=512, top_k=6, n_experts=24, max_tokens_per_rank=T, n_gpus_per_node=G, n_nodes=R // G,
+                        small_batch_tokens=small)
     buf = cuep.Buffer(group, cfg, timeout_s=60.0)
     group.phase_barrier = False  # a graph holds no host barrier
     rng = np.random.default_rng([seed, 99])

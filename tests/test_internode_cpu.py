@@ -32,7 +32,8 @@ def test_heap_regions_are_aligned_and_disjoint(fmt, nodes):
     assert rb % 16 == 0 and rb >= cfg.payload_bytes + cfg.fmt.scale_bytes(H)
     assert regions["x_recv"][1] == 2 * M * T * rb
     assert regions["c_recv"][1] == 2 * T * max(K, M) * H * cfg.combine_itemsize
-    assert regions["sig"][1] == 8 * (8 * M + 4)
+    assert regions["sig"][1] == 8 * (8 * M + 4 + 2 * cfg.n_ranks)
+    assert regions["x_dir"][1] == 2 * cfg.n_ranks * cfg.small_batch_tokens * rb
     assert internode.header_bytes(cfg) >= 16 + T * 8 * K
 
 

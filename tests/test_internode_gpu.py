@@ -47,10 +47,12 @@ def test_nodes_match_the_reference(n, g, formats):
     _passed(launch(n, g, "internode_worker.py", "--formats", formats, "--rounds", "5"), n)
 
 
-def test_nodes_large_rounds_and_graph_replay():
-    """N = max tokens = 256 (two-hop), and dispatch + combine captured in a CUDA graph and replayed."""
+@pytest.mark.parametrize("small", [0, 256], ids=["two-hop", "direct"])
+def test_nodes_large_rounds_and_graph_replay(small):
+    """N = max tokens = 256 all two-hop (small_batch_tokens 0) or all direct, and dispatch + combine captured in a
+    CUDA graph and replayed with fresh inputs."""
     _passed(launch(4, 2, "internode_worker.py", "--formats", "fp8", "--rounds", "3", "--tokens", "256",
-                   "--graph"), 4)
+                   "--small", str(small), "--graph"), 4)
 
 
 def test_missing_peer_is_a_timeout_error():

@@ -21,9 +21,11 @@ struct NodeParams {
     long long payload_bytes, scale_bytes, row_bytes, hdr_bytes;  // a row: payload | scales (each 16-aligned)
     long long row_align, n_scales, k_tiles, n_groups, shared, capacity, n_chunks;
     long long combine_itemsize, comb_slots;  // comb_slots = max(top_k, n_nodes)
+    long long small_tokens;  // a source with at most this many tokens puts its rows straight to each rank (0: never)
     long long timeout_ns, err_ptr, state_ptr, scratch_ptr, row_of_ptr;
     long long heap;  // my symmetric heap (the local address of the symmetric object)
     long long off_sig, off_x_send, off_hdr_send, off_x_recv, off_hdr_recv, off_stage, off_c_send, off_c_recv;
+    long long off_x_dir;  // [2][R][small_tokens][row] rows a small round's sources put straight to me
     long long node_heap[kMaxNodeGpus];  // node peers' heaps (by local index) as this GPU maps them (nvshmem_ptr)
 };
 
@@ -75,6 +77,9 @@ __device__ __forceinline__ long long* state(const NodeParams& p) { return reinte
 __device__ __forceinline__ long long* exp_crecv(const NodeParams& p) {  // [2][M] combine rows expected per node
     return state(p) + S_EXP_ROWS + 2 * p.n_nodes;
 }
+__device__ __forceinline__ long long* exp_direct(const NodeParams& p) {  // [2][R] direct rows expected per source
+    return state(p) + S_EXP_ROWS + 4 * p.n_nodes;
+}
 // Kernel ids (ErrorRecord.kernel; cuep/buffer.py KERNEL_NAMES)
 enum Kernel : int { K_SEND = 5, K_RELAY = 6, K_RECV = 7, K_CSEND = 8, K_CRELAY = 9, K_CRECV = 10 };
 enum Done : int { D_SEND = 0, D_PLACE = 1, D_CSEND = 2, D_CRELAY = 3, D_CRECV = 4 };
@@ -101,6 +106,11 @@ __device__ __forceinline__ long long sig_stage(const NodeParams& p, int par) { r
 __device__ __forceinline__ long long sig_crecv(const NodeParams& p, int par, int m) {
     return 6 * p.n_nodes + 4 + par * p.n_nodes + m;
 }
+__device__ __forceinline__ long long sig_direct(const NodeParams& p, int par, int s) {  // [2][R] direct rows (count)
+    return 8 * p.n_nodes + 4 + par * p.n_ranks + s;
+}
+// A round of `n_tok` tokens from a source on another node is small: its rows come straight to every rank.
+__device__ __forceinline__ bool is_direct(const NodeParams& p, int n_tok) { return n_tok <= p.small_tokens; }
 
 // ---- errors and bounded waits ------------------------------------------------------------------------------
 __device__ __forceinline__ void report(const NodeParams& p, int status, int kernel, int expert, int src) {
@@ -180,10 +190,12 @@ __device__ __forceinline__ int hdr_n(const char* hdr) { return *reinterpret_cast
 // Where source s's header, rows and readiness flag of dispatch parity `par` are, as this rank reads them: on my
 // node, the source's own x_send / header (flag: its own); from another node, my node's forwarder's copy (flag: the
 // forwarder's relay flag for that node).
+// A small round (is_direct) from another node puts its rows straight into my x_dir: source_rows() says where.
 struct SourceView {
     const char* hdr;
     const char* rows;
     const uint64_t* ready;
+    bool remote;
 };
 __device__ __forceinline__ SourceView source_view(const NodeParams& p, int s, int par) {
     const int G = static_cast<int>(p.gpus_per_node), M = static_cast<int>(p.n_nodes);
@@ -200,7 +212,15 @@ __device__ __forceinline__ SourceView source_view(const NodeParams& p, int s, in
         v.rows = reinterpret_cast<const char*>(base + p.off_x_recv + (static_cast<long long>(par) * M + n) * T * p.row_bytes);
         v.ready = sigs(p, base) + sig_relay(p, par, n);
     }
+    v.remote = n != p.node;
     return v;
+}
+__device__ __forceinline__ const char* direct_rows(const NodeParams& p, int s, int par) {
+    return reinterpret_cast<const char*>(p.heap + p.off_x_dir +
+                                         (static_cast<long long>(par) * p.n_ranks + s) * p.small_tokens * p.row_bytes);
+}
+__device__ __forceinline__ const char* source_rows(const NodeParams& p, const SourceView& v, int s, int par, int n_tok) {
+    return v.remote && is_direct(p, n_tok) ? direct_rows(p, s, par) : v.rows;
 }
 
 // ---- scratch (private, device memory; cuep/internode.py scratch_bytes) ---------------------------------------

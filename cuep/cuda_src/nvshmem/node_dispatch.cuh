@@ -24,6 +24,7 @@ __device__ void dispatch_send(const DispatchCall& c) {
     char* rows = reinterpret_cast<char*>(p.heap + p.off_x_send + par * T * p.row_bytes);
     const int lane = lane_id();
     using S = typename FormatTraits<FMT>::Scale;
+    const bool direct = is_direct(p, a.num_tokens);
     for (long long t = global_warp(); t < a.num_tokens; t += n_global_warps()) {
         uint8_t* row = reinterpret_cast<uint8_t*>(rows + t * p.row_bytes);
         const X* x_row = reinterpret_cast<const X*>(a.x) + t * H;
@@ -41,20 +42,39 @@ __device__ void dispatch_send(const DispatchCall& c) {
         }
         const int* ids = a.topk_ids + t * K;
         unsigned nodes = 0;
+        int dst_rank = -1;  // a small round: lane k's rank on another node, unless an earlier lane has it
         if (lane < K) {
             int* hid = const_cast<int*>(hdr_ids(hdr, t, K));
             float* hw = const_cast<float*>(hdr_weights(hdr, t, K));
             hid[lane] = ids[lane];
             hw[lane] = a.topk_weights ? a.topk_weights[t * K + lane] : 0.f;
             if (valid_choice(ids, lane, K, E)) {
-                nodes = 1u << node_of_rank(p, rank_of_expert(p, ids[lane]));
+                const int r = rank_of_expert(p, ids[lane]);
+                nodes = 1u << node_of_rank(p, r);
+                if (direct && node_of_rank(p, r) != me_node) {
+                    dst_rank = r;
+                    for (int j = 0; j < lane; ++j)
+                        if (valid_choice(ids, j, K, E) && rank_of_expert(p, ids[j]) == r) dst_rank = -1;
+                }
             } else {
                 const int e = ids[lane];
                 report(p, (e < 0 || e >= E) ? 2 : 3, K_SEND, e, static_cast<int>(t));
             }
         }
         nodes = __reduce_or_sync(0xffffffffu, nodes) & ~(1u << me_node);
-        if (nodes) {
+        if (direct) {  // straight to each rank on another node that holds one of its experts
+            unsigned dsts = __ballot_sync(0xffffffffu, dst_rank >= 0);
+            if (dsts) {
+                __threadfence_system();
+                __syncwarp();
+            }
+            for (; dsts; dsts &= dsts - 1) {
+                const int r = __shfl_sync(0xffffffffu, dst_rank, __ffs(dsts) - 1);
+                char* dst = const_cast<char*>(direct_rows(p, static_cast<int>(p.rank), par)) + t * p.row_bytes;
+                nvshmemx_putmem_signal_nbi_warp(dst, row, p.row_bytes, sigs(p, p.heap) + sig_direct(p, par, static_cast<int>(p.rank)),
+                                                1, NVSHMEM_SIGNAL_ADD, r);
+            }
+        } else if (nodes) {
             __threadfence_system();  // the row's stores, before the transport reads them
             __syncwarp();
             for (int m = 0; m < M; ++m) {
@@ -107,7 +127,7 @@ __device__ void dispatch_relay(const DispatchCall& c) {
     const char* hdr = reinterpret_cast<const char*>(p.heap + p.off_hdr_recv + (static_cast<long long>(par) * M + n) * p.hdr_bytes);
     const int n_tok = hdr_n(hdr);
     int rows = 0;
-    for (int t0 = 0; t0 < n_tok; t0 += kWarp) {
+    for (int t0 = is_direct(p, n_tok) ? n_tok : 0; t0 < n_tok; t0 += kWarp) {  // a small round: no rows here
         const int t = t0 + lane;
         bool here = false;
         if (t < n_tok) {
@@ -145,6 +165,25 @@ __device__ void dispatch_count(const DispatchCall& c) {
         if (!__shfl_sync(0xffffffffu, ok, 0)) return;
         __syncwarp();
         const int n_tok = hdr_n(v.hdr);
+        if (ch == 0 && v.remote && is_direct(p, n_tok)) {  // a small round's rows come straight here: wait for them
+            int rows = 0;
+            for (int t0 = 0; t0 < n_tok; t0 += kWarp) {
+                const int t = t0 + lane;
+                bool mine = false;
+                if (t < n_tok) {
+                    const int* ids = hdr_ids(v.hdr, t, K);
+                    for (int k = 0; k < K; ++k) mine |= valid_choice(ids, k, K, E) && rank_of_expert(p, ids[k]) == p.rank;
+                }
+                rows += __popc(__ballot_sync(0xffffffffu, mine));
+            }
+            if (lane == 0) {
+                long long* expect = exp_direct(p) + par * p.n_ranks + s;
+                *expect += rows;
+                ok = wait_ge(p, sigs(p, p.heap) + sig_direct(p, par, s), static_cast<uint64_t>(*expect), K_RECV, s);
+            }
+            if (!__shfl_sync(0xffffffffu, ok, 0)) return;
+            __syncwarp();
+        }
         if (ch == 0 && lane == 0) scr_src_n(p)[s] = n_tok;
         for (int l = lane; l < L; l += kWarp) s_hist[l] = 0;
         __syncwarp();
@@ -282,7 +321,7 @@ __device__ void dispatch_place(const DispatchCall& c) {
                     s_next[ids[lane] % L] = row + 1;  // distinct experts: one lane per l
                 }
                 unsigned mine = __ballot_sync(0xffffffffu, row >= 0);
-                const char* src_row = v.rows + static_cast<long long>(t) * p.row_bytes;
+                const char* src_row = source_rows(p, v, s, par, n_tok) + static_cast<long long>(t) * p.row_bytes;
                 while (mine) {
                     const int k = __ffs(mine) - 1;
                     mine &= mine - 1;
