@@ -47,6 +47,11 @@ def test_nodes_match_the_reference(n, g, formats):
     _passed(launch(n, g, "internode_worker.py", "--formats", formats, "--rounds", "5"), n)
 
 
+def test_nodes_moe_layer():
+    """cuep.moe.moe_forward across 2 nodes x 2 GPUs, every format, against the dense NumPy layer."""
+    _passed(launch(4, 2, "internode_worker.py", "--formats", "", "--moe"), 4)
+
+
 @pytest.mark.parametrize("small", [0, 256], ids=["two-hop", "direct"])
 def test_nodes_large_rounds_and_graph_replay(small):
     """N = max tokens = 256 all two-hop (small_batch_tokens 0) or all direct, and dispatch + combine captured in a

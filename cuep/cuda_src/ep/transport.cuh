@@ -5,8 +5,8 @@
 // Today's implementation is NVLink peer stores: a peer's buffer is mapped into this GPU's address space (peer
 // access in one process, cudaIpcOpenMemHandle across processes), remote() is its base address plus an offset,
 // puts are ordinary (or bulk-copy) stores, and signals are system-scope stores or atomics. Every call names the
-// destination rank even where the address alone would do, so a second transport (NVSHMEM puts with signals across
-// nodes) implements the same functions and no kernel changes.
+// destination rank even where the address alone would do. Across nodes the two-hop protocol (per-node forwarders,
+// NVSHMEM puts with signals) has its own kernels in nvshmem/, since its steps differ, not only its transport.
 //
 // The contract every implementation keeps:
 //   put_*        data into `rank`'s buffer; unordered with other puts
