@@ -291,7 +291,7 @@ def test_bad_arguments_raise_before_launch(rng):
         cuep.dispatch(buf, gx[:1], gids[:1])
     with pytest.raises(ValueError, match="cfg.n_ranks"):
         cuep.Buffer(cuep.init([0, 0, 0]), cfg)
-    with pytest.raises(NotImplementedError, match="multi-node"):
+    with pytest.raises(RuntimeError, match="n_nodes=2: several nodes need one process per rank"):
         cuep.Buffer(cuep.init([0, 0]), cuep.EPConfig(256, 2, 8, 16, n_gpus_per_node=1, n_nodes=2))
     run_round(buf, cfg, rng, [16, 16])  # nothing was corrupted
 
