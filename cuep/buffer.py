@@ -313,6 +313,8 @@ class Buffer:
                 what = ERROR_STATUS.get(status, f"error {status}")
                 if status == 1:
                     whom = f"source/peer rank {src}" if src >= 0 else "data from a peer"
+                    if src >= 0 and self.cfg.n_nodes > 1:
+                        whom += f" (node {src // self.cfg.n_gpus_per_node})"
                     detail = (f"rank {r.rank} {KERNEL_NAMES.get(kernel, kernel)} {what} for {whom} "
                               f"(after {self.timeout_s:g} s): a peer did not take part in this round, or died")
                     at_fault, reason = (src if src >= 0 else None), "timeout"

@@ -647,3 +647,13 @@ def test_cli_floor_quick_end_to_end(tmp_path):
                                                                for s in ("fused", "halves", "phases")}
     assert all(s["warm_us"] > 0 for p in doc["phases"] for s in p["segments"])
     assert res.stdout.rstrip().splitlines()[-1].startswith("wrote ")
+
+
+def test_nodes_prints_the_across_nodes_model(capsys):
+    """--nodes: the network model of a multi-node round (no GPU), dedup beside no dedup, for the asked node counts."""
+    from cuep.bench.__main__ import main
+
+    assert main(["--nodes", "2", "4", "--hidden", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "H = 4096" in out and "| 2 x 8 |" in out and "| 4 x 8 |" in out and "| 8 x 8 |" not in out
+    assert "dedup" in out

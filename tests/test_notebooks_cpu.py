@@ -17,8 +17,10 @@ import pytest
 import cuep
 import cuep.bench
 import cuep.bench.__main__
+import cuep.bench.internode_model
 import cuep.bench.report
 import cuep.moe
+import cuep.nvshmem
 import cuep.ops
 import cuep.reference
 
@@ -29,7 +31,8 @@ RUNNER = REPO / "scripts" / "run_notebooks.py"
 # (__main__: make_plan, describe_plan, run, print_report, write_outputs, ...) and report (tables, JSON, plots) are
 # public; its measuring internals (cases, timing, nccl, ceilings, traffic, kernels) are not.
 PUBLIC_MODULES = {"ops": cuep.ops, "reference": cuep.reference, "moe": cuep.moe, "bench": cuep.bench,
-                  "bench.__main__": cuep.bench.__main__, "bench.report": cuep.bench.report}
+                  "bench.__main__": cuep.bench.__main__, "bench.report": cuep.bench.report,
+                  "bench.internode_model": cuep.bench.internode_model, "nvshmem": cuep.nvshmem}
 
 
 def public_names(module) -> set[str]:

@@ -147,6 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from-json", metavar="PATH", default=None,
                    help="measure nothing: print the tables of a saved bench.json and draw its plots into --out "
                         "(no GPU needed; e.g. where matplotlib is installed); with --floor, of a saved floor.json")
+    g = p.add_argument_group("across nodes (--nodes; cuep.bench.internode_model)")
+    g.add_argument("--nodes", type=int, nargs="+", default=None, metavar="M",
+                   help="the network side of a multi-node round for M nodes of 8 GPUs: bytes per rank and time at "
+                        "50 GB/s per NIC, with and without cuep's per-node deduplication (a model: no GPU or NIC "
+                        "needed; --hidden / --top-k / --experts apply). A measured multi-node run is a script under "
+                        "python -m cuep.run --gpus-per-node (docs/internode.md)")
     g = p.add_argument_group("single-GPU floor report (--floor; cuep.bench.floor)")
     g.add_argument("--floor", action="store_true",
                    help="one rank on one GPU: dispatch (each format) and combine bf16 against a copy kernel of the "
@@ -206,6 +212,7 @@ class Plan:
     host_batches: int = 8
     phases: bool = False
     phases_n: list = field(default_factory=list)
+    nodes: list = field(default_factory=list)  # --nodes: the across-nodes model (cuep.bench.internode_model)
 
     def points(self) -> list[dict]:
         """The N values to measure, standard shapes first: {"n", "shapes": [names], "repeats", "standard"}."""
@@ -294,7 +301,8 @@ def make_plan(argv=None) -> Plan:
                 seed=a.seed, quick=a.quick, dry_run=a.dry_run, from_json=a.from_json,
                 small_batch_tokens=a.small_batch_tokens, argv=list(sys.argv[1:] if argv is None else argv),
                 floor=a.floor, floor_n=floor_n, max_tokens=a.max_tokens, host=not a.no_host,
-                host_calls=pick("host_calls"), host_batches=pick("host_batches"), phases=a.phases, phases_n=phases_n)
+                host_calls=pick("host_calls"), host_batches=pick("host_batches"), phases=a.phases, phases_n=phases_n,
+                nodes=list(a.nodes or []))
 
 
 def describe_plan(plan: Plan, n_ranks: int) -> str:
@@ -586,6 +594,12 @@ def write_outputs(doc: dict, out_dir: str) -> None:
 
 def main(argv=None) -> int:
     plan = make_plan(argv)
+    if plan.nodes:
+        from . import internode_model
+
+        internode_model.main(["--nodes", *map(str, plan.nodes), "--hidden", str(plan.hidden), "--top-k",
+                              str(plan.top_k), "--experts", str(plan.n_experts)])
+        return 0
     if plan.floor:
         from . import floor
 
