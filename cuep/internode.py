@@ -35,7 +35,7 @@ NODE_PARAMS_FIELDS = (
     "n_local", "n_experts", "top_k", "hidden", "max_tokens",
     "payload_bytes", "scale_bytes", "row_bytes", "hdr_bytes",
     "row_align", "n_scales", "k_tiles", "n_groups", "shared", "capacity", "n_chunks",
-    "combine_itemsize", "comb_slots", "small_tokens",
+    "combine_itemsize", "comb_slots", "small_tokens", "skip_a2a", "ar_size", "ar_index",
     "timeout_ns", "err_ptr", "state_ptr", "scratch_ptr", "row_of_ptr",
     "heap",
     "off_sig", "off_x_send", "off_hdr_send", "off_x_recv", "off_hdr_recv", "off_stage", "off_c_send", "off_c_recv",
@@ -93,6 +93,8 @@ def heap_regions(cfg) -> dict[str, tuple[int, int]]:
     sizes = [("sig", 8 * n_signals(cfg)), ("x_send", 2 * T * rb), ("hdr_send", 2 * hb), ("x_recv", 2 * M * T * rb),
              ("hdr_recv", 2 * M * hb), ("stage", 2 * M * T * K * H * cs), ("c_send", 2 * M * T * H * cs),
              ("c_recv", 2 * T * max(K, M) * H * cs), ("x_dir", 2 * cfg.n_ranks * cfg.small_batch_tokens * rb)]
+    if cfg.skip_a2a:  # nothing crosses ranks: only my own rows and header
+        sizes = [(name, size if name in ("sig", "x_send", "hdr_send") else 0) for name, size in sizes]
     out, off = {}, 0
     for name, size in sizes:
         out[name] = (off, size)
@@ -131,9 +133,6 @@ def check_config(cfg, group) -> None:
         raise ValueError(f"cfg.n_gpus_per_node={cfg.n_gpus_per_node}: at most {MAX_NODE_GPUS} GPUs per node")
     if cfg.n_nodes > MAX_NODES:
         raise ValueError(f"cfg.n_nodes={cfg.n_nodes}: at most {MAX_NODES} nodes")
-    if cfg.skip_a2a:
-        raise ValueError("skip_a2a with n_nodes > 1: skip_a2a sends nothing between ranks, so build its Buffer with "
-                         "n_nodes=1 (n_gpus_per_node = the group's ranks): the result is the same")
     if (THREADS // 32) * cfg.n_local_experts * 4 > 48 * 1024:
         raise ValueError(f"n_local_experts={cfg.n_local_experts}: the multi-node kernels keep a per-warp histogram of "
                          f"the local experts in shared memory (at most {48 * 1024 // 64} local experts)")
@@ -173,7 +172,8 @@ class NodeState:
             row_align=cfg.fmt.row_align, n_scales=cfg.n_scales, k_tiles=cfg.scale_k_tiles if cfg.n_scales else 0,
             n_groups=cfg.n_groups, shared=int(cfg.fused_shared_expert), capacity=cfg.capacity,
             n_chunks=n_chunks(cfg), combine_itemsize=cfg.combine_itemsize, comb_slots=max(cfg.top_k, cfg.n_nodes),
-            small_tokens=cfg.small_batch_tokens,
+            small_tokens=cfg.small_batch_tokens, skip_a2a=int(cfg.skip_a2a), ar_size=cfg.allreduce_world_size,
+            ar_index=rank.rank % cfg.allreduce_world_size,
             timeout_ns=int(buf.timeout_s * 1e9), err_ptr=rank.err_host_ptr, state_ptr=pointer(self.state),
             scratch_ptr=pointer(self.scratch), row_of_ptr=pointer(self.row_of), heap=self.heap_ptr,
             **{f"off_{k}": regions[k][0] for k in ("sig", "x_send", "hdr_send", "x_recv", "hdr_recv", "stage",
@@ -289,6 +289,11 @@ def combine(buf, expert_out, topk_ids, topk_weights, residual, out, num_tokens: 
     arg = (kernel_argument(call),)
     grid, block = (buf.num_sms,), (THREADS,)
     cdt = "bf16" if cfg.combine_dtype == "bfloat16" else "f32"
+    if cfg.skip_a2a:  # nothing crosses ranks: the receive half does it all
+        if recv:
+            _wait_for_peers(buf, "crecv")
+            _fn(f"cuep_nc_recv_{cdt}")(grid, block, arg, shared_mem=4 * cfg.n_nodes)
+        return
     if send:
         _wait_for_peers(buf, "csend")
         _fn(f"cuep_nc_send_{cdt}")(grid, block, arg, shared_mem=4 * (cfg.n_ranks + 1))

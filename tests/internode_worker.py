@@ -24,11 +24,13 @@ from ep_check import BF16, check_dispatch, make_inputs, run_round  # noqa: E402
 
 from cuep import reference as ref  # noqa: E402
 
-# (dispatch format, fused_shared_expert, combine dtype)
-CASES = {"bf16": [("bf16", False, "bfloat16"), ("bf16", True, "float32")],
-         "fp8": [("fp8", False, "bfloat16"), ("fp8", True, "bfloat16")],
-         "nvfp4": [("nvfp4", False, "bfloat16")],
-         "mxfp4": [("mxfp4", True, "bfloat16")]}
+# (dispatch format, fused_shared_expert, combine dtype, skip_a2a, allreduce_world_size)
+CASES = {"bf16": [("bf16", False, "bfloat16", False, 1), ("bf16", True, "float32", False, 1),
+                  ("bf16", True, "bfloat16", True, 2)],
+         "fp8": [("fp8", False, "bfloat16", False, 1), ("fp8", True, "bfloat16", False, 1),
+                 ("fp8", False, "bfloat16", True, 1)],
+         "nvfp4": [("nvfp4", False, "bfloat16", False, 1)],
+         "mxfp4": [("mxfp4", True, "bfloat16", False, 1)]}
 # (weights_at, async_halves, residual, bare arrays): every way of calling the API, in turn
 CALLS = [("dispatch", False, False, True), ("combine", True, True, False), (None, False, False, True),
          ("dispatch", True, True, True)]
@@ -57,18 +59,21 @@ def main(argv=None) -> int:
         missing_peer_round(group, a.missing_peer, T)
         a.formats = ""
     for fmt in filter(None, a.formats.split(",")):
-        for fmt_name, shared, cdt in CASES[fmt]:
+        for fmt_name, shared, cdt, skip, ar in CASES[fmt]:
             cfg = cuep.EPConfig(hidden=512, top_k=6, n_experts=24, max_tokens_per_rank=T, n_gpus_per_node=G,
                                 n_nodes=R // G, dispatch_format=fmt_name, fused_shared_expert=shared,
-                                combine_dtype=cdt, small_batch_tokens=T // 2 if a.small is None else a.small)
+                                combine_dtype=cdt, small_batch_tokens=T // 2 if a.small is None else a.small,
+                                skip_a2a=skip, allreduce_world_size=ar)
             buf = cuep.Buffer(group, cfg, timeout_s=60.0)
-            name = f"{fmt_name}{' shared' if shared else ''} combine {cdt}"
+            name = f"{fmt_name}{' shared' if shared else ''} combine {cdt}{' skip_a2a' if skip else ''} A={ar}"
             rng = np.random.default_rng([a.seed, zlib.crc32(name.encode())])  # the same on every rank
             for i in range(a.rounds):
                 n = [int(rng.integers(0, T + 1)) for _ in range(R)]
                 n[-1] = T  # a full rank
                 if i == 0:
                     n[:G] = [0] * G  # a node sending nothing
+                if skip:  # every rank holds the same tokens
+                    n = [n[i % R]] * R
                 weights_at, async_halves, residual, bare = CALLS[i % len(CALLS)]
                 run_round(buf, cfg, rng, n, skew=(i % 3 == 2), weights_at=weights_at, async_halves=async_halves,
                           residual=residual and weights_at is not None, bare=bare)

@@ -164,6 +164,55 @@ __device__ void combine_relay(const CombineCall& c) {
     }
 }
 
+// skip_a2a: nothing crossed ranks; my tokens' rows are all here. Per token: the rows of my local experts (weighted
+// and summed in k order, or copied into their slots), the shared expert's row for the tokens of my share, residual.
+template <class C>
+__device__ void combine_local(const CombineCall& c) {
+    const NodeParams& p = c.p;
+    const NodeCombineArgs& a = c.a;
+    const int K = static_cast<int>(p.top_k), E = static_cast<int>(p.n_experts), H = static_cast<int>(p.hidden);
+    const long long T = p.max_tokens;
+    const int N = a.num_tokens, lane = lane_id(), me = static_cast<int>(p.rank);
+    const int dpar = static_cast<int>((state(p)[S_DROUND] - 1) & 1);
+    const char* hdr = reinterpret_cast<const char*>(p.heap + p.off_hdr_send + dpar * p.hdr_bytes);
+    const int* row_of = reinterpret_cast<const int*>(p.row_of_ptr);
+    const C* eo = static_cast<const C*>(a.expert_out);
+    const C* res = static_cast<const C*>(a.residual);
+    C* out = static_cast<C*>(a.out);
+    const int lo = shared_lo(p, N), hi = shared_hi(p, N);
+    const int n_slots_out = K + static_cast<int>(p.shared);
+    for (int t = global_warp(); t < N; t += n_global_warps()) {
+        const int* ids = a.topk_ids + static_cast<long long>(t) * K;
+        const bool local = lane < K && valid_choice(ids, lane, K, E) && rank_of_expert(p, ids[lane]) == me;
+        const unsigned mine = __ballot_sync(0xffffffffu, local);
+        const bool shared = p.shared && t >= lo && t < hi;
+        const C* srow = shared ? eo + static_cast<long long>(t - lo) * H : nullptr;
+        if (a.mode == kUnreduced) {
+            C* o = out + static_cast<long long>(t) * n_slots_out * H;
+            for (int k = 0; k < K; ++k) {
+                const bool has = (mine >> k) & 1u;
+                const C* row = has ? eo + static_cast<long long>(row_of[(static_cast<long long>(me) * T + t) * K + k]) * H : nullptr;
+                for (int col = lane; col < H; col += kWarp) o[static_cast<long long>(k) * H + col] = has ? row[col] : from_f32<C>(0.f);
+            }
+            if (p.shared)
+                for (int col = lane; col < H; col += kWarp) o[static_cast<long long>(K) * H + col] = shared ? srow[col] : from_f32<C>(0.f);
+            continue;
+        }
+        const float* w = a.mode == kPartial ? hdr_weights(hdr, t, K) : a.topk_weights + static_cast<long long>(t) * K;
+        for (int col = lane; col < H; col += kWarp) {
+            float acc = 0.f;
+            for (unsigned m = mine; m; m &= m - 1) {
+                const int k = __ffs(m) - 1;
+                const long long row = row_of[(static_cast<long long>(me) * T + t) * K + k];
+                acc = __fadd_rn(acc, __fmul_rn(w[k], to_f32<C>(eo[row * H + col])));
+            }
+            if (shared) acc = __fadd_rn(acc, to_f32<C>(srow[col]));
+            if (res) acc = __fadd_rn(acc, to_f32<C>(res[static_cast<long long>(t) * H + col]));
+            out[static_cast<long long>(t) * H + col] = from_f32<C>(acc);
+        }
+    }
+}
+
 // The source: wait for every node, then sum (kPartial: node partials in node order; kWeighted: rows in k order with
 // my weights), add the shared expert's row (group 0, row t) and the residual; kUnreduced: copy rows into slots.
 template <class C>
@@ -172,6 +221,10 @@ __device__ void combine_recv(const CombineCall& c) {
     const NodeParams& p = c.p;
     const NodeCombineArgs& a = c.a;
     if (failed(p)) return;
+    if (p.skip_a2a) {
+        combine_local<C>(c);
+        return;
+    }
     const long long q = state(p)[S_CROUND] - 1;
     const int cpar = static_cast<int>(q & 1);
     const int K = static_cast<int>(p.top_k), E = static_cast<int>(p.n_experts), H = static_cast<int>(p.hidden);

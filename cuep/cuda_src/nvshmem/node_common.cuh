@@ -22,6 +22,8 @@ struct NodeParams {
     long long row_align, n_scales, k_tiles, n_groups, shared, capacity, n_chunks;
     long long combine_itemsize, comb_slots;  // comb_slots = max(top_k, n_nodes)
     long long small_tokens;  // a source with at most this many tokens puts its rows straight to each rank (0: never)
+    long long skip_a2a;      // every rank holds the same tokens and keeps its own: nothing crosses ranks
+    long long ar_size, ar_index;  // the shared expert's tokens split over ar_size ranks (skip_a2a): my share
     long long timeout_ns, err_ptr, state_ptr, scratch_ptr, row_of_ptr;
     long long heap;  // my symmetric heap (the local address of the symmetric object)
     long long off_sig, off_x_send, off_hdr_send, off_x_recv, off_hdr_recv, off_stage, off_c_send, off_c_recv;
@@ -108,6 +110,13 @@ __device__ __forceinline__ long long sig_crecv(const NodeParams& p, int par, int
 }
 __device__ __forceinline__ long long sig_direct(const NodeParams& p, int par, int s) {  // [2][R] direct rows (count)
     return 8 * p.n_nodes + 4 + par * p.n_ranks + s;
+}
+// The shared expert's tokens of this rank, [lo, hi) of its N (all of them unless skip_a2a splits them).
+__device__ __forceinline__ int shared_lo(const NodeParams& p, int n) {
+    return static_cast<int>(p.ar_index * n / p.ar_size);
+}
+__device__ __forceinline__ int shared_hi(const NodeParams& p, int n) {
+    return static_cast<int>((p.ar_index + 1) * n / p.ar_size);
 }
 // A round of `n_tok` tokens from a source on another node is small: its rows come straight to every rank.
 __device__ __forceinline__ bool is_direct(const NodeParams& p, int n_tok) { return n_tok <= p.small_tokens; }

@@ -24,7 +24,7 @@ __device__ void dispatch_send(const DispatchCall& c) {
     char* rows = reinterpret_cast<char*>(p.heap + p.off_x_send + par * T * p.row_bytes);
     const int lane = lane_id();
     using S = typename FormatTraits<FMT>::Scale;
-    const bool direct = is_direct(p, a.num_tokens);
+    const bool direct = is_direct(p, a.num_tokens) && !p.skip_a2a;
     for (long long t = global_warp(); t < a.num_tokens; t += n_global_warps()) {
         uint8_t* row = reinterpret_cast<uint8_t*>(rows + t * p.row_bytes);
         const X* x_row = reinterpret_cast<const X*>(a.x) + t * H;
@@ -61,7 +61,7 @@ __device__ void dispatch_send(const DispatchCall& c) {
                 report(p, (e < 0 || e >= E) ? 2 : 3, K_SEND, e, static_cast<int>(t));
             }
         }
-        nodes = __reduce_or_sync(0xffffffffu, nodes) & ~(1u << me_node);
+        nodes = p.skip_a2a ? 0u : __reduce_or_sync(0xffffffffu, nodes) & ~(1u << me_node);
         if (direct) {  // straight to each rank on another node that holds one of its experts
             unsigned dsts = __ballot_sync(0xffffffffu, dst_rank >= 0);
             if (dsts) {
@@ -91,7 +91,7 @@ __device__ void dispatch_send(const DispatchCall& c) {
         __threadfence_system();
         __syncthreads();
         const size_t bytes = 16 + static_cast<size_t>(a.num_tokens) * 8 * K;
-        for (int m = threadIdx.x / kWarp; m < M; m += blockDim.x / kWarp) {
+        for (int m = threadIdx.x / kWarp; m < M && !p.skip_a2a; m += blockDim.x / kWarp) {
             if (m == me_node) continue;
             char* dst = reinterpret_cast<char*>(p.heap + p.off_hdr_recv + (static_cast<long long>(par) * M + me_node) * p.hdr_bytes);
             nvshmemx_putmem_signal_nbi_warp(dst, hdr, bytes, sigs(p, p.heap) + sig_hdr(p, par, me_node),
@@ -117,7 +117,7 @@ __device__ void dispatch_relay(const DispatchCall& c) {
     const int M = static_cast<int>(p.n_nodes), G = static_cast<int>(p.gpus_per_node);
     const int lane = lane_id();
     const int n = global_warp();
-    if (n >= M || n == p.node) return;
+    if (n >= M || n == p.node || p.skip_a2a) return;
     uint64_t* sg = sigs(p, p.heap);
     const int src = n * G + static_cast<int>(p.local);
     int ok = 1;
@@ -159,6 +159,11 @@ __device__ void dispatch_count(const DispatchCall& c) {
     int* s_hist = s_hist_all + (threadIdx.x / kWarp) * L;
     for (int u = global_warp(); u < R * NC; u += n_global_warps()) {
         const int s = u / NC, ch = u % NC;
+        if (p.skip_a2a && s != p.rank) {  // skip_a2a: only my own tokens
+            if (ch == 0 && lane == 0) scr_src_n(p)[s] = 0;
+            for (int l = lane; l < L; l += kWarp) scr_cnt(p)[static_cast<long long>(u) * L + l] = 0;
+            continue;
+        }
         const SourceView v = source_view(p, s, par);
         int ok = 1;
         if (lane == 0) ok = wait_ge(p, v.ready, static_cast<uint64_t>(q + 1), K_RECV, s);
@@ -220,7 +225,7 @@ __device__ void dispatch_offsets(const DispatchCall& c) {
         if (g < n_groups) {
             long long n = 0;
             if (sh && g == 0) {
-                n = a.num_tokens;
+                n = shared_hi(p, a.num_tokens) - shared_lo(p, a.num_tokens);
             } else if (g < n_groups) {
                 const int l = g - sh;
                 for (int u = 0; u < R * NC; ++u) n += cnt[static_cast<long long>(u) * L + l];
@@ -332,19 +337,20 @@ __device__ void dispatch_place(const DispatchCall& c) {
                 }
                 __syncwarp();
             }
-        } else if (u < n_routed + n_shared) {  // shared expert: my tokens in order, rows 0 .. N-1 of group 0
+        } else if (u < n_routed + n_shared) {  // shared expert: my tokens lo .. hi-1 in order, rows 0.. of group 0
             const int ch = u - n_routed;
             const char* rows = reinterpret_cast<const char*>(p.heap + p.off_x_send + par * T * p.row_bytes);
-            const int t_end = min(a.num_tokens, (ch + 1) * kChunk);
-            for (int t = ch * kChunk; t < t_end; ++t)
-                place_row<FMT>(p, a, rows + static_cast<long long>(t) * p.row_bytes, t, 0, static_cast<int>(p.rank), t,
-                               K, lane);
+            const int lo = shared_lo(p, a.num_tokens), hi = shared_hi(p, a.num_tokens);
+            const int t_end = min(hi, lo + (ch + 1) * kChunk);
+            for (int t = lo + ch * kChunk; t < t_end; ++t)
+                place_row<FMT>(p, a, rows + static_cast<long long>(t) * p.row_bytes, t - lo, 0,
+                               static_cast<int>(p.rank), t, K, lane);
         } else {  // padding of group g
             const int g = u - n_routed - n_shared;
             const long long lo = a.row_offsets[g], hi = a.row_offsets[g + 1];
             long long used = 0;
             if (sh && g == 0) {
-                used = a.num_tokens;
+                used = shared_hi(p, a.num_tokens) - shared_lo(p, a.num_tokens);
             } else {
                 for (int w = 0; w < n_routed; ++w) used += scr_cnt(p)[static_cast<long long>(w) * L + (g - sh)];
             }
