@@ -14,10 +14,11 @@ precedes every launch that waits on a peer.
 from __future__ import annotations
 
 import logging
+import struct
 
 import numpy as np
 
-from .params import kernel_argument, pointer
+from .params import pointer
 
 log = logging.getLogger("cuep")
 
@@ -109,6 +110,7 @@ def heap_bytes(cfg) -> int:
 
 
 def n_chunks(cfg) -> int:
+    """(source, chunk) work units per source: max_tokens_per_rank in chunks of CHUNK tokens."""
     return -(-cfg.max_tokens_per_rank // CHUNK)
 
 
@@ -183,6 +185,7 @@ class NodeState:
             rec[f] = v[f]
         rec["node_heap"][0, :G] = peers
         self.params = rec
+        self.launches: dict = {}  # prepared launches per (kernel, shared memory): internode._prepared
 
     def rearm(self) -> None:
         """Zero the signals and the private state (Buffer.reset, between its barriers)."""
@@ -217,24 +220,30 @@ def load_kernels():
     return nvshmem.load(KERNEL_FILE, first_kernel="cuep_nd_relay")
 
 
-def _kernel(name: str):
-    return load_kernels().get_function(name)
+_DISPATCH_PACK = struct.Struct("<10Qif")  # NodeDispatchArgs: 10 pointers, num_tokens, global_scale
+_COMBINE_PACK = struct.Struct("<5Qii")    # NodeCombineArgs: 5 pointers, num_tokens, mode
 
 
-_functions: dict = {}
+def _prepared(buf, name: str, smem: int = 0):
+    """The prepared launch (:class:`cuep._kernels.PreparedLaunch`) of kernel ``name`` for this buffer's rank: its
+    NodeParams written once, only the call's fields packed per launch. Made on first use, then reused."""
+    ns = buf._ranks[0].node
+    key = (name, smem)
+    launch = ns.launches.get(key)
+    if launch is None:
+        from ._kernels import PreparedLaunch, allow_dynamic_smem
+
+        fn = load_kernels().get_function(name)
+        allow_dynamic_smem(fn, smem)
+        dtype, pack = (COMBINE_CALL_DTYPE, _COMBINE_PACK) if name.startswith("cuep_nc_") else \
+            (DISPATCH_CALL_DTYPE, _DISPATCH_PACK)
+        launch = ns.launches[key] = PreparedLaunch(fn, THREADS, smem, dtype.itemsize, (0,), pack,
+                                                    dtype.fields["a"][1])
+        launch.write(dtype.fields["p"][1], ns.params.tobytes())
+    return launch
 
 
-def _fn(name: str):
-    import cupy
-
-    key = (cupy.cuda.Device().id, name)
-    fn = _functions.get(key)
-    if fn is None:
-        fn = _functions[key] = _kernel(name)
-    return fn
-
-
-def _wait_for_peers(buf, first_name: str) -> None:
+def _wait_for_peers(buf) -> None:
     """Before a launch that waits on a peer: when ranks share a GPU, every rank's queued work is done and every rank
     is here (ep._before_launch); on the first launch of this buffer, every rank has compiled the kernels."""
     from .ep import _before_launch
@@ -250,58 +259,47 @@ def dispatch(buf, x, topk_ids, topk_weights, global_scale: float, num_tokens: in
     """Launch this rank's dispatch kernels: the send half (``send``), the receive half (``recv``), or both."""
     cfg = buf.cfg
     r = buf._ranks[0]
-    ns = r.node
-    call = np.zeros(1, DISPATCH_CALL_DTYPE)
-    call["p"] = ns.params
-    a = call["a"]
-    a["x"], a["topk_ids"], a["topk_weights"] = pointer(x), pointer(topk_ids), pointer(topk_weights)
-    a["tokens"], a["scales_out"], a["row_offsets"] = pointer(r.tokens), pointer(r.scales), pointer(r.row_offsets)
-    a["expert_ids"], a["scales_offsets"] = pointer(r.expert_ids), pointer(r.scales_offsets)
-    a["src_info"], a["row_src"] = pointer(r.src_info), pointer(r.row_src)
-    a["num_tokens"], a["global_scale"] = num_tokens, global_scale
-    arg = (kernel_argument(call),)
-    grid, block = (buf.num_sms,), (THREADS,)
+    args = (pointer(x), pointer(topk_ids), pointer(topk_weights), pointer(r.tokens), pointer(r.scales),
+            pointer(r.row_offsets), pointer(r.expert_ids), pointer(r.scales_offsets), pointer(r.src_info),
+            pointer(r.row_src), num_tokens, global_scale)
+    grid = buf.num_sms
     fmt = cfg.fmt.name
     if send:
         src = "bf16" if x.dtype.itemsize == 2 else "f32"
-        _wait_for_peers(buf, "send")
-        _fn(f"cuep_nd_send_{fmt}_from_{src}")(grid, block, arg)
+        _wait_for_peers(buf)
+        _prepared(buf, f"cuep_nd_send_{fmt}_from_{src}")(grid, *args)
     if recv:
-        _wait_for_peers(buf, "relay")
-        _fn("cuep_nd_relay")(grid, block, arg)
-        _wait_for_peers(buf, "count")
         smem = _smem_hist(cfg)
-        _fn("cuep_nd_count")(grid, block, arg, shared_mem=smem)
-        _fn("cuep_nd_offsets")((1,), block, arg)
-        _fn(f"cuep_nd_place_{fmt}")(grid, block, arg, shared_mem=smem)
+        _wait_for_peers(buf)
+        _prepared(buf, "cuep_nd_relay")(grid, *args)
+        _wait_for_peers(buf)
+        _prepared(buf, "cuep_nd_count", smem)(grid, *args)
+        _prepared(buf, "cuep_nd_offsets")(1, *args)
+        _prepared(buf, f"cuep_nd_place_{fmt}", smem)(grid, *args)
 
 
 def combine(buf, expert_out, topk_ids, topk_weights, residual, out, num_tokens: int, mode: int, send: bool,
             recv: bool) -> None:
     """Launch this rank's combine kernels: the send half, the receive half (relay and sum), or both."""
     cfg = buf.cfg
-    r = buf._ranks[0]
-    call = np.zeros(1, COMBINE_CALL_DTYPE)
-    call["p"] = r.node.params
-    a = call["a"]
-    a["expert_out"], a["topk_ids"], a["topk_weights"] = pointer(expert_out), pointer(topk_ids), pointer(topk_weights)
-    a["residual"], a["out"], a["num_tokens"], a["mode"] = pointer(residual), pointer(out), num_tokens, mode
-    arg = (kernel_argument(call),)
-    grid, block = (buf.num_sms,), (THREADS,)
+    args = (pointer(expert_out), pointer(topk_ids), pointer(topk_weights), pointer(residual), pointer(out),
+            num_tokens, mode)
+    grid = buf.num_sms
     cdt = "bf16" if cfg.combine_dtype == "bfloat16" else "f32"
+    recv_smem = 4 * cfg.n_nodes
     if cfg.skip_a2a:  # nothing crosses ranks: the receive half does it all
         if recv:
-            _wait_for_peers(buf, "crecv")
-            _fn(f"cuep_nc_recv_{cdt}")(grid, block, arg, shared_mem=4 * cfg.n_nodes)
+            _wait_for_peers(buf)
+            _prepared(buf, f"cuep_nc_recv_{cdt}", recv_smem)(grid, *args)
         return
     if send:
-        _wait_for_peers(buf, "csend")
-        _fn(f"cuep_nc_send_{cdt}")(grid, block, arg, shared_mem=4 * (cfg.n_ranks + 1))
+        _wait_for_peers(buf)
+        _prepared(buf, f"cuep_nc_send_{cdt}", 4 * (cfg.n_ranks + 1))(grid, *args)
     if recv:
-        _wait_for_peers(buf, "crelay")
-        _fn(f"cuep_nc_relay_{cdt}")(grid, block, arg)
-        _wait_for_peers(buf, "crecv")
-        _fn(f"cuep_nc_recv_{cdt}")(grid, block, arg, shared_mem=4 * cfg.n_nodes)
+        _wait_for_peers(buf)
+        _prepared(buf, f"cuep_nc_relay_{cdt}")(grid, *args)
+        _wait_for_peers(buf)
+        _prepared(buf, f"cuep_nc_recv_{cdt}", recv_smem)(grid, *args)
 
 
 def describe(cfg) -> str:

@@ -41,6 +41,9 @@ def test_struct_sizes():
     assert internode.NODE_PARAMS_DTYPE.itemsize == 8 * (len(internode.NODE_PARAMS_FIELDS) + internode.MAX_NODE_GPUS)
     assert internode.NODE_DISPATCH_ARGS_DTYPE.itemsize == 10 * 8 + 8
     assert internode.NODE_COMBINE_ARGS_DTYPE.itemsize == 5 * 8 + 8
+    # the prepared launches pack exactly the call part of each record
+    assert internode._DISPATCH_PACK.size == internode.NODE_DISPATCH_ARGS_DTYPE.itemsize
+    assert internode._COMBINE_PACK.size == internode.NODE_COMBINE_ARGS_DTYPE.itemsize
 
 
 def _offset_asserts() -> str:
