@@ -116,6 +116,10 @@ class Buffer:
         if cfg.n_ranks != group.n_ranks:
             raise ValueError(f"cfg.n_ranks={cfg.n_ranks} (n_gpus_per_node x n_nodes) must equal the group's "
                              f"{group.n_ranks} ranks")
+        if cfg.n_gpus_per_node != group.gpus_per_node:  # a one-node buffer over several nodes would write to 0
+            raise ValueError(f"cfg.n_gpus_per_node={cfg.n_gpus_per_node} (n_nodes={cfg.n_nodes}), but the group is "
+                             f"{group.n_nodes} node(s) of {group.gpus_per_node} rank(s): build the EPConfig with "
+                             f"n_gpus_per_node={group.gpus_per_node}, n_nodes={group.n_nodes}")
         if cfg.top_k > MAX_TOP_K:
             raise ValueError(f"top_k={cfg.top_k} exceeds the kernels' limit of {MAX_TOP_K}")
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float, np.integer, np.floating)) \

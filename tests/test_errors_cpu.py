@@ -187,13 +187,16 @@ def _group(n_ranks: int = 2) -> cuep.Group:
     (lambda cfg: cuep.Buffer(cfg, _group()), TypeError, r"group must be a cuep\.Group .*got EPConfig"),
     (lambda cfg: cuep.Buffer(_group(), None), TypeError, r"cfg must be a cuep\.EPConfig, got NoneType"),
     (lambda cfg: cuep.Buffer(_group(3), cfg), ValueError, r"cfg\.n_ranks=2 .*must equal the group's 3 ranks"),
+    (lambda cfg: cuep.Buffer(cuep.Group(devices=[0], ranks=[0], n_ranks=2, kind="ipc", gpus_per_node=1), cfg),
+     ValueError, r"cfg\.n_gpus_per_node=2 \(n_nodes=1\), but the group is 2 node\(s\) of 1 rank\(s\): build the "
+                 r"EPConfig with n_gpus_per_node=1, n_nodes=2"),
     (lambda cfg: cuep.Buffer(_group(), cfg, timeout_s=0), ValueError, r"timeout_s=0 must be a positive number"),
     (lambda cfg: cuep.Buffer(_group(), cfg, timeout_s="5"), ValueError, r"timeout_s='5' must be a positive"),
     (lambda cfg: cuep.Buffer(_group(), cuep.EPConfig(**{**STD, "top_k": 33, "n_experts": 64})), ValueError,
      r"top_k=33 exceeds the kernels' limit of 32"),
     (lambda cfg: cuep.Buffer(_group(), cuep.EPConfig(**{**STD, "n_gpus_per_node": 1, "n_nodes": 2})),
      RuntimeError, r"n_nodes=2: several nodes need one process per rank"),
-], ids=["swapped", "cfg-none", "n-ranks", "timeout-0", "timeout-str", "top-k", "n-nodes"])
+], ids=["swapped", "cfg-none", "n-ranks", "node-layout", "timeout-0", "timeout-str", "top-k", "n-nodes"])
 def test_buffer_mistakes_before_the_gpu(make, exc, match):
     with pytest.raises(exc, match=match):
         make(cuep.EPConfig(**STD))
