@@ -12,7 +12,8 @@ Lifecycle (one process per GPU, one NVSHMEM PE per process):
 3. :func:`load` a kernel file of ``cuep/cuda_src/nvshmem/``: compiled with NVRTC and linked with nvJitLink against
    ``libnvshmem_device.a`` (no nvcc at run time; :func:`build`), cached on disk, registered with NVSHMEM.
 4. :func:`alloc` / :func:`free` symmetric arrays (collective), :func:`peer_address` for load/store peers.
-5. :func:`finalize` on every rank.
+5. :func:`shutdown` on every rank (``Group.close`` does it: NVSHMEM, once started, lives as long as the group, so
+   later Buffers reuse it; :func:`finalize` balances one :func:`init`).
 
 Kernel files stay plain CUDA: cuep prepends a short :func:`prelude` (which device transports to compile, and a
 shim for old NVSHMEM headers under NVRTC) before the file's own ``#include <nvshmem.h>``.
@@ -200,9 +201,11 @@ def device_transport(include_dirs: list[str] | None = None) -> str:
     and CUDA's include folders) and the installed NVSHMEM headers keep IBGDA under NVRTC (NVSHMEM 3.8 turns it off
     for every NVRTC compile). Otherwise ``"proxy"``: the device code is compiled without IBGDA and remote puts go
     through NVSHMEM's CPU proxy thread (IB RC / UCX / libfabric transports of the host library). Intra-node peers
-    are reached by NVLink load/store either way. For IBGDA install the rdma-core headers (``libibverbs-dev`` on
-    Debian/Ubuntu, ``rdma-core-devel`` on RHEL). With ``"proxy"`` kernels, leave ``NVSHMEM_IB_ENABLE_IBGDA`` unset.
-    After :func:`build` found that NVRTC cannot compile the IBGDA code, the default answer is ``"proxy"``.
+    are reached by NVLink load/store either way. The rdma-core headers come with ``libibverbs-dev`` (Debian/Ubuntu)
+    or ``rdma-core-devel`` (RHEL), but NVRTC cannot parse what they include (glibc, x86 intrinsics), so in practice
+    the build falls back to ``"proxy"`` (:func:`build`; ``docs/internode.md``). With ``"proxy"`` kernels leave
+    ``NVSHMEM_IB_ENABLE_IBGDA`` unset. After :func:`build` found that NVRTC cannot compile the IBGDA code, the
+    default answer is ``"proxy"``.
     """
     if include_dirs is None and _ibgda_failed:
         return "proxy"  # build() found that NVRTC cannot compile the IBGDA code here
