@@ -169,6 +169,13 @@ class Buffer:
 
         cfg, group = self.cfg, self.group
         rank, dev = group.ranks[0], group.devices[0]
+        with cupy.cuda.Device(dev):
+            free = cupy.cuda.runtime.memGetInfo()[0]
+        need = internode.heap_bytes(cfg) + cfg.output_bytes
+        if need > free:
+            raise MemoryError(f"rank {rank}: a Buffer across nodes needs {internode.describe(cfg)} and "
+                              f"{cfg.output_bytes / 2**30:.2f} GiB of outputs, GPU {dev} has {free / 2**30:.2f} GiB "
+                              f"free: lower max_tokens_per_rank (the combine stage grows as n_nodes x T x top_k x H)")
         internode.heap_need_env(cfg)
         info = nvshmem.init(group, dev)
         self._nvshmem = True
@@ -285,6 +292,9 @@ class Buffer:
             with cupy.cuda.Device(r.device):
                 cupy.cuda.Device().synchronize()
                 if r.node is not None:  # several nodes: signals and private state (cuep.internode)
+                    from . import nvshmem
+
+                    nvshmem.barrier_all()  # no put of a failed round still in flight lands after the re-arm
                     r.node.rearm()
                     cupy.cuda.Device().synchronize()
                     r.err_host[:] = 0

@@ -491,6 +491,19 @@ def finalize() -> None:
             nv.finalize()
 
 
+def barrier_all() -> None:
+    """Every PE's NVSHMEM operations so far are complete (remote puts and signals delivered, the proxy's included)
+    and every PE is here: ``nvshmemx_barrier_all_on_stream`` on the current CuPy stream, then a stream sync.
+    Collective over all PEs (``Buffer.reset`` calls it before re-arming the signals)."""
+    _require_init("cuep.nvshmem.barrier_all")
+    import cupy
+    import nvshmem.core as nv
+
+    stream = cupy.cuda.get_current_stream()
+    nv.barrier_all(stream=stream)
+    stream.synchronize()
+
+
 def shutdown() -> None:
     """End NVSHMEM in this process whatever the count of :func:`init` calls (``Group.close``: NVSHMEM, once started,
     lives as long as the group, so a later Buffer reuses it). Collective over the PEs, like NVSHMEM's finalize."""

@@ -254,7 +254,8 @@ __device__ void combine_recv(const CombineCall& c) {
     __syncthreads();
     for (int m = threadIdx.x; m < M; m += blockDim.x) {
         const uint64_t want = static_cast<uint64_t>(exp_crecv(p)[cpar * M + m] + s_cnt[m] + 1);
-        if (!wait_ge(p, sg + sig_crecv(p, cpar, m), want, K_CRECV, m * static_cast<int>(p.gpus_per_node) + static_cast<int>(p.local)))
+        if (!wait_put_signal(p, sg + sig_crecv(p, cpar, m), want, K_CRECV,
+                             m * static_cast<int>(p.gpus_per_node) + static_cast<int>(p.local)))
             s_ok = 0;
     }
     __syncthreads();

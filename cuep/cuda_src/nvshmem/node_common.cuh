@@ -155,6 +155,15 @@ __device__ bool wait_ge(const NodeParams& p, const uint64_t* sig, uint64_t want,
     }
     return true;
 }
+// The same for a signal that NVSHMEM puts write (my own heap, a symmetric address): once it holds, NVSHMEM's own
+// wait (which returns at once) makes the data the signal announces visible here; on platforms where the proxy
+// transport must flush the NIC's writes into GPU memory (NVSHMEM's "CST at target"), that step does it.
+__device__ bool wait_put_signal(const NodeParams& p, const uint64_t* sig, uint64_t want, int kernel, int src) {
+    if (!wait_ge(p, sig, want, kernel, src)) return false;
+    nvshmem_signal_wait_until(const_cast<uint64_t*>(sig), NVSHMEM_CMP_GE, want);
+    return true;
+}
+
 // Every block calls it at its end (all threads): true in every thread of the last block to finish, whose reads then
 // see every other block's writes (each block fences before it counts itself done). Resets the count for the next
 // launch.

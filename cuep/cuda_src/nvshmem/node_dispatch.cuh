@@ -121,7 +121,7 @@ __device__ void dispatch_relay(const DispatchCall& c) {
     uint64_t* sg = sigs(p, p.heap);
     const int src = n * G + static_cast<int>(p.local);
     int ok = 1;
-    if (lane == 0) ok = wait_ge(p, sg + sig_hdr(p, par, n), static_cast<uint64_t>(q + 1), K_RELAY, src);
+    if (lane == 0) ok = wait_put_signal(p, sg + sig_hdr(p, par, n), static_cast<uint64_t>(q + 1), K_RELAY, src);
     if (!__shfl_sync(0xffffffffu, ok, 0)) return;
     __syncwarp();
     const char* hdr = reinterpret_cast<const char*>(p.heap + p.off_hdr_recv + (static_cast<long long>(par) * M + n) * p.hdr_bytes);
@@ -141,7 +141,7 @@ __device__ void dispatch_relay(const DispatchCall& c) {
         long long* expect = state(p) + S_EXP_ROWS + par * M + n;
         const long long want = *expect + rows;
         *expect = want;
-        if (wait_ge(p, sg + sig_rows(p, par, n), static_cast<uint64_t>(want), K_RELAY, src))
+        if (wait_put_signal(p, sg + sig_rows(p, par, n), static_cast<uint64_t>(want), K_RELAY, src))
             store_release_u64(sg + sig_relay(p, par, n), static_cast<uint64_t>(q + 1));
     }
 }
@@ -184,7 +184,8 @@ __device__ void dispatch_count(const DispatchCall& c) {
             if (lane == 0) {
                 long long* expect = exp_direct(p) + par * p.n_ranks + s;
                 *expect += rows;
-                ok = wait_ge(p, sigs(p, p.heap) + sig_direct(p, par, s), static_cast<uint64_t>(*expect), K_RECV, s);
+                ok = wait_put_signal(p, sigs(p, p.heap) + sig_direct(p, par, s), static_cast<uint64_t>(*expect),
+                                     K_RECV, s);
             }
             if (!__shfl_sync(0xffffffffu, ok, 0)) return;
             __syncwarp();
