@@ -186,6 +186,17 @@ struct ErrorRecord {
     int expert;
     int src_rank;
 };
+// Fill the record of the first reporter (the caller won the error flag): fields first, status last, each visible to
+// the host before the next.
+__device__ __forceinline__ void write_error_record(ErrorRecord* rec, int status, int kernel, int expert, int src_rank) {
+    volatile ErrorRecord* e = rec;
+    e->kernel = kernel;
+    e->expert = expert;
+    e->src_rank = src_rank;
+    __threadfence_system();
+    e->status = status;
+    __threadfence_system();
+}
 
 // ---- asynchronous copies (cp.async) ---------------------------------------------------------------------
 // 16 bytes global -> shared, asynchronously (L2 only); completion per thread through commit / wait groups.

@@ -38,15 +38,7 @@ constexpr int kStatusDuplicateExpert = 3;
 // Record an error once per rank: the first reporter wins the device-side flag and writes the host-mapped record
 // (plain stores; the host reads it without synchronising). Later kernels of the rank see the flag and return.
 __device__ __forceinline__ void report_error(const EPParams& ep, int status, int kernel, int expert, int src_rank) {
-    if (atomicCAS(ep.counters() + C_ERROR, 0, status) == 0) {
-        volatile ErrorRecord* e = ep.err();
-        e->kernel = kernel;
-        e->expert = expert;
-        e->src_rank = src_rank;
-        __threadfence_system();
-        e->status = status;
-        __threadfence_system();
-    }
+    if (atomicCAS(ep.counters() + C_ERROR, 0, status) == 0) write_error_record(ep.err(), status, kernel, expert, src_rank);
 }
 
 // A failed wait leaves the protocol in an unknown state: later kernels of the rank return at once (until the host

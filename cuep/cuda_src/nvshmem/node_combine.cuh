@@ -164,6 +164,20 @@ __device__ void combine_relay(const CombineCall& c) {
     }
 }
 
+// kUnreduced: token t's rows into its K slots of `o` (slot k from row_k(k) where bit k of `has`, else zeros), then
+// the shared expert's row into slot K when the layout has one (`srow`, or zeros where null). One warp.
+template <class C, class RowK>
+__device__ __forceinline__ void copy_to_slots(C* o, int K, int H, unsigned has, RowK row_k, bool with_shared,
+                                              const C* srow) {
+    const int lane = lane_id();
+    for (int k = 0; k < K; ++k) {
+        const C* row = ((has >> k) & 1u) ? row_k(k) : nullptr;
+        for (int col = lane; col < H; col += kWarp) o[static_cast<long long>(k) * H + col] = row ? row[col] : from_f32<C>(0.f);
+    }
+    if (with_shared)
+        for (int col = lane; col < H; col += kWarp) o[static_cast<long long>(K) * H + col] = srow ? srow[col] : from_f32<C>(0.f);
+}
+
 // skip_a2a: nothing crossed ranks; my tokens' rows are all here. Per token: the rows of my local experts (weighted
 // and summed in k order, or copied into their slots), the shared expert's row for the tokens of my share, residual.
 template <class C>
@@ -188,14 +202,10 @@ __device__ void combine_local(const CombineCall& c) {
         const bool shared = p.shared && t >= lo && t < hi;
         const C* srow = shared ? eo + static_cast<long long>(t - lo) * H : nullptr;
         if (a.mode == kUnreduced) {
-            C* o = out + static_cast<long long>(t) * n_slots_out * H;
-            for (int k = 0; k < K; ++k) {
-                const bool has = (mine >> k) & 1u;
-                const C* row = has ? eo + static_cast<long long>(row_of[(static_cast<long long>(me) * T + t) * K + k]) * H : nullptr;
-                for (int col = lane; col < H; col += kWarp) o[static_cast<long long>(k) * H + col] = has ? row[col] : from_f32<C>(0.f);
-            }
-            if (p.shared)
-                for (int col = lane; col < H; col += kWarp) o[static_cast<long long>(K) * H + col] = shared ? srow[col] : from_f32<C>(0.f);
+            const auto row_k = [&](int k) {
+                return eo + static_cast<long long>(row_of[(static_cast<long long>(me) * T + t) * K + k]) * H;
+            };
+            copy_to_slots<C>(out + static_cast<long long>(t) * n_slots_out * H, K, H, mine, row_k, p.shared, srow);
             continue;
         }
         const float* w = a.mode == kPartial ? hdr_weights(hdr, t, K) : a.topk_weights + static_cast<long long>(t) * K;
@@ -268,22 +278,15 @@ __device__ void combine_recv(const CombineCall& c) {
     for (int t = global_warp(); t < N; t += n_global_warps()) {
         const int* ids = a.topk_ids + static_cast<long long>(t) * K;
         int node_k = -1;  // lane k < K: the node of a valid choice
-        bool first = false;
         if (lane < K && valid_choice(ids, lane, K, E)) node_k = node_of_rank(p, rank_of_expert(p, ids[lane]));
         const unsigned valid = __ballot_sync(0xffffffffu, node_k >= 0);
         // node mask (partial: one row per node)
         const unsigned nodes = __reduce_or_sync(0xffffffffu, node_k >= 0 ? 1u << node_k : 0u);
-        (void)first;
         const C* trow = recv + static_cast<long long>(t) * KM * H;
         if (a.mode == kUnreduced) {
-            C* o = out + static_cast<long long>(t) * n_slots_out * H;
-            for (int k = 0; k < K; ++k) {
-                const bool has = (valid >> k) & 1u;
-                for (int col = lane; col < H; col += kWarp)
-                    o[static_cast<long long>(k) * H + col] = has ? trow[static_cast<long long>(k) * H + col] : from_f32<C>(0.f);
-            }
-            if (p.shared)
-                for (int col = lane; col < H; col += kWarp) o[static_cast<long long>(K) * H + col] = eo[static_cast<long long>(t) * H + col];
+            const auto row_k = [&](int k) { return trow + static_cast<long long>(k) * H; };
+            copy_to_slots<C>(out + static_cast<long long>(t) * n_slots_out * H, K, H, valid, row_k, p.shared,
+                             eo + static_cast<long long>(t) * H);
             continue;
         }
         for (int col = lane; col < H; col += kWarp) {

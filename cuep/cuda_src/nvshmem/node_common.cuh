@@ -124,15 +124,8 @@ __device__ __forceinline__ bool is_direct(const NodeParams& p, int n_tok) { retu
 // ---- errors and bounded waits ------------------------------------------------------------------------------
 __device__ __forceinline__ void report(const NodeParams& p, int status, int kernel, int expert, int src) {
     if (atomicCAS(reinterpret_cast<unsigned long long*>(state(p) + S_ERROR), 0ull,
-                  static_cast<unsigned long long>(status)) == 0ull) {
-        volatile ErrorRecord* e = reinterpret_cast<ErrorRecord*>(p.err_ptr);
-        e->kernel = kernel;
-        e->expert = expert;
-        e->src_rank = src;
-        __threadfence_system();
-        e->status = status;
-        __threadfence_system();
-    }
+                  static_cast<unsigned long long>(status)) == 0ull)
+        write_error_record(reinterpret_cast<ErrorRecord*>(p.err_ptr), status, kernel, expert, src);
 }
 __device__ __forceinline__ bool failed(const NodeParams& p) {
     return *reinterpret_cast<volatile long long*>(state(p) + S_ERROR) == kStatusTimeout;
