@@ -5,8 +5,8 @@
     python scripts/check_exhaustive.py silu             # every g with |g| in [85, 89], 2**24 random patterns
 
 * ``e2m1``: ``e2m1_device`` below is a NumPy emulation, operation for operation, of ``e2m1_biased`` /
-  ``e2m1_encode`` in cuep/cuda_src/formats.cuh (fminf/fmaxf of FTZ operands, Veltkamp's split to 2 significant
-  bits, a saturating add, one integer add). It must equal :func:`cuep.reference.quant.e2m1_encode` on every
+  ``e2m1_encode`` in cuep/cuda_src/formats.cuh (fminf of FTZ operands, three lines rounded once each to an
+  integer by adding 1.5 * 2**23, their minimum). It must equal :func:`cuep.reference.quant.e2m1_encode` on every
   float32 bit pattern: NaN, Inf, subnormals and -0 included.
 * ``fp8div``: ``div_rn_by`` below emulates, exactly, the kernel's ``div_rn_by(x, s, y)`` (y = RN(1/s); q0 = RN(x y);
   two FMA corrections; the sign of x copied onto the result), used for the fp8 quantizer's ``x / s``. Its result
@@ -43,18 +43,19 @@ U32 = np.uint32
 
 
 # ---- e2m1 ------------------------------------------------------------------------------------------------------
-E2M1_BIAS = U32(254 + 0x4A800000)  # kE2m1Bias of formats.cuh
+E2M1_BIAS = U32(0x4B400000)  # kE2m1Bias of formats.cuh: bits(M), M = 1.5 * 2**23
 
 
 def e2m1_biased(v: np.ndarray) -> np.ndarray:
     """formats.cuh ``e2m1_biased``: code + E2M1_BIAS (uint32, modulo 2**32), magnitude only."""
+    M = F32(1.5 * 2.0**23)
     with np.errstate(all="ignore"):
         a = np.fmin(ftz(np.abs(v)), F32(6.0))         # FMNMX.FTZ |v|, 6: NaN -> 6, subnormal -> 0
-        w = np.fmax(a, F32(1.0))
-        wc = w * F32(4194305.0)                        # w * (2**22 + 1)
-        hi = wc - (wc - w)                             # w rounded to 2 significant bits, ties to even
-        small = np.minimum(a, F32(1.0)) + F32(2.0**22)  # FADD.SAT (a >= 0, not NaN): min(a, 1), then + 2**22
-    return (hi.view(U32) >> U32(22)) + small.view(U32)
+        t1 = a * F32(2.0) + M                          # fma(a, 2, M): 2a is exact, one rounding
+        t2 = a + (M + F32(2.0))
+        t3 = a * F32(0.5) + (M + F32(4.0))             # fma(a, 0.5, M + 4): a / 2 is exact, one rounding
+        t = np.minimum(np.minimum(t1, t2), t3)
+    return t.view(U32)
 
 
 def e2m1_device(v: np.ndarray) -> np.ndarray:

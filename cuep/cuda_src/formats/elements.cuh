@@ -93,28 +93,25 @@ __device__ __forceinline__ float e4m3_to_float(uint32_t b) {
 // cvt_e2m1 of docs/formats.md: round to nearest even on {0, .5, 1, 1.5, 2, 3, 4, 6}, saturating at 6; the sign
 // bit (0x8) is the sign bit of v (-0.0 and tiny negatives give 0x8); NaN gives magnitude 7, as the reference.
 //
-// Magnitude, with a = min(|v|, 6) (FMNMX.FTZ: NaN -> 6, Inf -> 6, subnormal -> 0), from float32 operations that
-// round once each and exactly where the grid does, plus one integer add (no compare, no select):
-//   big   = the code of w = max(a, 1): for w >= 1 the grid's steps (0.5 in [1, 2), 1 in [2, 4), 2 in [4, 6]) are
-//           one kept mantissa bit, so w rounded to 2 significant bits, ties to even (Veltkamp's split with
-//           C = 2**22 + 1: hi = w*C - (w*C - w)), is the rounded value, hi in {1, 1.5, 2, 3, 4, 6}, and
-//           bits(hi) >> 22 = 252 + code (1.0 -> 2 ... 6.0 -> 7);
-//   small = min(a, 1) + 2**22 (FADD.SAT, then an add whose ulp is the step 0.5, ties to even: 0.25 -> 0,
-//           0.75 -> 1.0): bits(small) = 0x4A800000 + code (0, 1 or 2);
-//   code  = (big code) + (small code) - 2: a < 1 has big code 2, a >= 1 has small code 2.
+// Magnitude, with a = min(|v|, 6) (FMNMX.FTZ: NaN -> 6, Inf -> 6, subnormal -> 0): the code is linear in a on each
+// of the grid's three step sizes, code = 2a on [0, 2], a + 2 on [2, 4], a / 2 + 4 on [4, 6], and the smallest of
+// the three lines everywhere (they meet at a = 2 and a = 4). Each line plus M = 1.5 * 2**23 (ulp 1) is rounded
+// once to an integer, ties to even (one FMA or add: 2a and a / 2 are exact), and rounding commutes with the min
+// (monotone), so min(t1, t2, t3) = M + code and its bits are bits(M) + code; a tie on a line is a tie between two
+// grid values and goes to the even code, as the grid's round-to-nearest-even does.
 // Identical to cuep.reference.quant.e2m1_encode over all 2**32 float32 bit patterns: scripts/check_exhaustive.py
-// (e2m1) runs a NumPy emulation of exactly these operations over all of them. __fmul_rn / __fsub_rn / __fadd_rn
-// are never contracted into an FMA; w, hi and the sums are normal numbers (FTZ changes nothing).
-constexpr uint32_t kE2m1Bias = 252u + 0x4A800000u + 2u;  // e2m1_biased(v) - kE2m1Bias = the magnitude code
+// (e2m1) runs a NumPy emulation of exactly these operations over all of them. The sums are normal numbers (FTZ
+// changes nothing).
+constexpr uint32_t kE2m1Bias = 0x4B400000u;  // bits(1.5 * 2**23): e2m1_biased(v) - kE2m1Bias = the magnitude code
 
-// code + kE2m1Bias (mod 2**32), magnitude only: the sign is added by the callers.
+// code + kE2m1Bias (mod 2**32), magnitude only: the sign is added by the callers. 3 FP ops and 2 FMNMX a value
+// (the split it replaces took 5 and a LEA.HI).
 __device__ __forceinline__ uint32_t e2m1_biased(float v) {
     const float a = fminf(fabsf(v), kE2m1Max);
-    const float w = fmaxf(a, 1.0f);
-    const float wc = __fmul_rn(w, 4194305.0f);                      // w * (2**22 + 1), exact range: w <= 6
-    const float hi = __fsub_rn(wc, __fsub_rn(wc, w));                // w rounded to 2 significant bits (RNE)
-    const float small = __fadd_rn(__saturatef(a), 0x1p22f);          // FADD.SAT: min(a, 1), then the 0.5 step
-    return (__float_as_uint(hi) >> 22) + __float_as_uint(small);     // one LEA.HI
+    const float t1 = __fmaf_rn(a, 2.0f, 0x1.8p+23f);         // rint(2a) + M
+    const float t2 = __fadd_rn(a, 0x1.8p+23f + 2.0f);        // rint(a + 2) + M
+    const float t3 = __fmaf_rn(a, 0.5f, 0x1.8p+23f + 4.0f);  // rint(a / 2 + 4) + M
+    return __float_as_uint(fminf(fminf(t1, t2), t3));
 }
 
 __device__ __forceinline__ uint32_t e2m1_encode(float v) {

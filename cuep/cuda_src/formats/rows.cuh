@@ -170,8 +170,9 @@ struct WarpGrid {
 };
 
 // The (row, span) items (item = row * spans + span) in one contiguous chunk per warp: warp w takes items
-// [w * per, (w + 1) * per), per = ceil(items / n_warps), so it walks along its rows and the per-row work (pointers,
-// scale rows) is done once per row. Usage:
+// [w * items / n_warps, (w + 1) * items / n_warps), so chunks differ by at most one item (ceil(items / n_warps) per
+// warp left the last warps idle: at 28672 items over 2112 warps the busiest SM had 3% more than the mean), and it
+// walks along its rows, doing the per-row work (pointers, scale rows) once per row. Usage:
 //   for (ChunkWalk cw(wg, rows, spans); cw.left > 0; cw.next_row()) { per-row setup (cw.row);
 //       for (int k = cw.span; k < cw.end_span(); ++k) item (cw.row, k) }
 struct ChunkWalk {
@@ -181,9 +182,8 @@ struct ChunkWalk {
     int64_t left;  // items left, from (row, span) on
     __device__ __forceinline__ ChunkWalk(const WarpGrid& wg, int64_t rows, int n_spans) : spans(n_spans) {
         const int64_t items = rows * n_spans;
-        const int64_t per = (items + wg.n_warps - 1) / wg.n_warps;
-        const int64_t first = wg.warp * per;
-        left = first < items ? min(per, items - first) : 0;
+        const int64_t first = wg.warp * items / wg.n_warps;
+        left = (wg.warp + 1) * items / wg.n_warps - first;
         row = left > 0 ? first / n_spans : 0;
         span = int(first - row * n_spans);
     }
