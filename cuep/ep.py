@@ -34,6 +34,7 @@ PHASE_NOTIFY, PHASE_SEND, PHASE_RECV = 1, 2, 4
 # with PHASE_SEND | PHASE_RECV in one call: a small bf16 round's local tokens go from x to their rows, unstaged;
 # in combine, a partial-sum round with one destination rank finishes its tokens in the send half
 PHASE_LOCAL_X = 8
+_PHASES_ALL = PHASE_NOTIFY | PHASE_SEND | PHASE_RECV
 MODE_PARTIAL, MODE_WEIGHTED, MODE_UNREDUCED = 0, 1, 2
 _THREADS = 512
 _F32 = np.dtype(np.float32)
@@ -230,7 +231,7 @@ def _dispatch_launch(buf: Buffer, staged: bool) -> tuple[int, int]:
     cfg = buf.cfg
     a16 = lambda n: -(-n // 16) * 16  # noqa: E731  (the kernel aligns every part to 16 bytes)
     tally = a16(4 * cfg.n_source_ranks * (cfg.n_experts + 2))  # tally rows: E counts, tokens, messages
-    fixed = max(tally + a16(4 * cfg.n_experts), _small_book_bytes(cfg))
+    fixed = max(tally + a16(4 * cfg.n_experts), _small_book_bytes(cfg) + _local_layout_bytes(cfg))
     staging = a16(cfg.payload_bytes) + a16(cfg.message.scale_bytes) if staged else 0
     limit = cupy.cuda.Device(buf._ranks[0].device).attributes["MaxSharedMemoryPerBlockOptin"] - 2048
     warps = _THREADS // 32
@@ -243,6 +244,15 @@ def _dispatch_launch(buf: Buffer, staged: bool) -> tuple[int, int]:
     recv = tally + 4 * (-(-(cfg.n_groups + 1) // 4) * 4 + cfg.n_groups) + 2 * cfg.n_source_ranks * cfg.small_batch_tokens
     buf._launch_cache[("dispatch", staged)] = out = (32 * warps, max(fixed + warps * staging, recv))
     return out
+
+
+def _local_layout_bytes(cfg) -> int:
+    """Shared memory a one-rank group's small round (dispatch/local.cuh: local_fixed_bytes) needs after the book:
+    the groups' first rows [G + 1] and first scale tiles [G]; 0 for a group of several ranks."""
+    if cfg.n_ranks != 1 or not cfg.small_batch_tokens:
+        return 0
+    a16 = lambda n: -(-n // 16) * 16  # noqa: E731
+    return a16(4 * (cfg.n_groups + 1)) + a16(4 * cfg.n_groups)
 
 
 def _small_book_bytes(cfg) -> int:
@@ -287,7 +297,7 @@ class _Host:
     prepared launches (:class:`cuep._kernels.PreparedLaunch`) per (rank, kernel, shared memory)."""
 
     __slots__ = ("names", "orders", "launches", "hidden", "top_k", "max_tokens", "capacity", "fmt", "cdt",
-                 "combine_suffix", "where", "views")
+                 "combine_suffix", "where", "views", "local_small")
 
     def __init__(self, buf: Buffer):
         cfg = buf.cfg
@@ -304,6 +314,8 @@ class _Host:
         self.cdt = _bf16() if cfg.combine_dtype == "bfloat16" else _F32
         self.combine_suffix = "bf16" if cfg.combine_dtype == "bfloat16" else "f32"
         self.where = f"(cfg.combine_dtype={cfg.combine_dtype!r})"
+        # fused dispatches of at most this many tokens take the one-rank kernels (-1: none do; several ranks)
+        self.local_small = cfg.small_batch_tokens if cfg.n_ranks == 1 and cfg.small_batch_tokens else -1
 
     def order(self, buf: Buffer, phases: int) -> list:
         o = self.orders.get(phases)
@@ -472,7 +484,9 @@ def _dispatch(buf: Buffer, x, topk_ids, topk_weights, global_scale: float, phase
                 dev = r.device
             src = "bf16" if xs[i].dtype == bf16 else "f32"
             threads, smem = _dispatch_launch(buf, staged=host.fmt != "bf16" or src != "bf16")
-            launch, fixed = _prepared(buf, i, f"dispatch.cu:cuep_dispatch_{host.fmt}_from_{src}", threads, smem)
+            # a one-rank group's fused small round: no protocol (cuda_src/dispatch/local.cuh)
+            kind = "local_" if host.local_small >= results[i].num_tokens and ph == _PHASES_ALL else ""
+            launch, fixed = _prepared(buf, i, f"dispatch.cu:cuep_dispatch_{kind}{host.fmt}_from_{src}", threads, smem)
             _before_launch(buf, "dispatch.cu")
             w = ws[i]
             launch(buf.num_sms, xs[i].data.ptr, ids[i].data.ptr, 0 if w is None else w.data.ptr, *fixed,

@@ -11,7 +11,8 @@
 //   recv    dispatch/recv.cuh    lay out the groups from the tally rows, pad, then place each message as its
 //                                chunk flags land (metadata, scales, copies to the token's other local experts)
 // A small round (decode: at most small_batch_tokens tokens on this rank) takes the staged protocol
-// (dispatch/staged.cuh): no wait for the other ranks' histograms before the data moves.
+// (dispatch/staged.cuh): no wait for the other ranks' histograms before the data moves; in a one-rank group a
+// small fused round takes no protocol at all (dispatch/local.cuh, its own kernels: cuep_dispatch_local_*).
 // Records and signals: dispatch/messages.cuh; row layout: dispatch/layout.cuh; scales: dispatch/scales.cuh; every
 // cross-rank access goes through the transport seam (ep/transport.cuh).
 #include "ep.cuh"
@@ -28,6 +29,7 @@ constexpr int kEncodeSteps = CUEP_DISPATCH_ENCODE_STEPS;  // 256-value spans per
 #include "dispatch/notify.cuh"
 #include "dispatch/recv.cuh"
 #include "dispatch/send.cuh"
+#include "dispatch/local.cuh"
 
 namespace cuep {
 
@@ -108,3 +110,23 @@ CUEP_DISPATCH(cuep_dispatch_nvfp4_from_bf16, kFmtNvfp4, cuep::bf16_t)
 CUEP_DISPATCH(cuep_dispatch_nvfp4_from_f32, kFmtNvfp4, float)
 CUEP_DISPATCH(cuep_dispatch_mxfp4_from_bf16, kFmtMxfp4, cuep::bf16_t)
 CUEP_DISPATCH(cuep_dispatch_mxfp4_from_f32, kFmtMxfp4, float)
+
+// The one-rank round (dispatch/local.cuh), a kernel of its own so that neither path's registers limit the other's.
+// cuep/ep.py launches it for a fused call of at most small_batch_tokens tokens when the group is one rank.
+#define CUEP_DISPATCH_LOCAL(NAME, FMT, T)                                                                    \
+    extern "C" __global__ void __launch_bounds__(cuep::kDispatchThreads, 1)                                  \
+        NAME(const __grid_constant__ cuep::DispatchParams params) {                                          \
+        extern __shared__ __align__(16) char smem[];                                                         \
+        const cuep::DispatchArgs call = params.call;                                                         \
+        if (cuep::local_round(params.ep, call.phases, call.num_tokens) && !cuep::has_failed(params.ep))      \
+            cuep::dispatch_local<cuep::FMT, T>(params.ep, call, smem);                                        \
+    }
+
+CUEP_DISPATCH_LOCAL(cuep_dispatch_local_bf16_from_bf16, kFmtBf16, cuep::bf16_t)
+CUEP_DISPATCH_LOCAL(cuep_dispatch_local_bf16_from_f32, kFmtBf16, float)
+CUEP_DISPATCH_LOCAL(cuep_dispatch_local_fp8_from_bf16, kFmtFp8, cuep::bf16_t)
+CUEP_DISPATCH_LOCAL(cuep_dispatch_local_fp8_from_f32, kFmtFp8, float)
+CUEP_DISPATCH_LOCAL(cuep_dispatch_local_nvfp4_from_bf16, kFmtNvfp4, cuep::bf16_t)
+CUEP_DISPATCH_LOCAL(cuep_dispatch_local_nvfp4_from_f32, kFmtNvfp4, float)
+CUEP_DISPATCH_LOCAL(cuep_dispatch_local_mxfp4_from_bf16, kFmtMxfp4, cuep::bf16_t)
+CUEP_DISPATCH_LOCAL(cuep_dispatch_local_mxfp4_from_f32, kFmtMxfp4, float)

@@ -9,6 +9,64 @@
 
 namespace cuep {
 
+// Padding of group g (rows s_offsets[g] .. s_offsets[g + 1], the first `used` - s_offsets[g] of them real), by the
+// whole block: fp8 rows up to the group's multiple of 4 (zero payload and scales, src_info (-1, -1)); fp4 the
+// scale rows of the group's last tile past its last row. `defer`: a large round notes the padding for
+// gather_scales instead of storing its scales.
+template <int FMT>
+__device__ void pad_group(const EPParams& ep, const DispatchArgs& a, const unsigned* s_offsets, const unsigned* s_tiles,
+                          int g, unsigned used, bool defer) {
+    const unsigned begin = s_offsets[g], end = s_offsets[g + 1];
+    if constexpr (FMT == kFmtFp8) {
+        char* tokens = ep.local(ep.off_tokens);
+        const long long pb = ep.payload_bytes;
+        for (unsigned row = used; row < end; ++row) {
+            for (long long b = threadIdx.x; b < pb / 16; b += blockDim.x)
+                reinterpret_cast<int4*>(tokens + row * pb)[b] = make_int4(0, 0, 0, 0);
+            float* out = static_cast<float*>(a.scales_out);
+            if (defer) {
+                if (threadIdx.x == 0) scale_rows(ep)[row] = kPadScales;
+            } else {
+                for (int b = threadIdx.x; b < ep.n_scales; b += blockDim.x) out[b * ep.capacity + row] = 0.f;
+            }
+            if (threadIdx.x == 0) {
+                a.src_info[2LL * row] = -1;
+                a.src_info[2LL * row + 1] = -1;
+                a.row_src[row] = -1;
+                a.row_weight[row] = 0.f;
+            }
+        }
+    } else if constexpr (FMT == kFmtNvfp4 || FMT == kFmtMxfp4) {
+        const unsigned n = used - begin;
+        const unsigned pad_end = (n + kScaleTileRows - 1) / kScaleTileRows * kScaleTileRows;
+        const int k_tiles = static_cast<int>(ep.k_tiles);
+        uint8_t* out = static_cast<uint8_t*>(a.scales_out);
+        if (defer) {
+            for (unsigned i = threadIdx.x; i < pad_end - n; i += blockDim.x)
+                scale_rows(ep)[static_cast<long long>(s_tiles[g]) * kScaleTileRows + n + i] = kPadScales;
+        } else if (pad_end > n) {
+            // The group's last tile, rows n % 128 .. 127, block by block, consecutive threads on consecutive
+            // 16-byte quads: quad j of a (tile, kt) 512-byte block holds rows j, j + 32, j + 64, j + 96 (word q:
+            // row j + 32 q). A quad of padding rows only is one store; otherwise its padding words go one by one
+            // (the message warps store the real rows' words meanwhile). (A word per (row, kt) in row order went
+            // 512 bytes apart: 1.7 M scattered stores, most of a 2 x H200 N = 128 nvfp4 dispatch's 80 us.)
+            uint4* tile = reinterpret_cast<uint4*>(
+                out + (static_cast<long long>(s_tiles[g]) + n / kScaleTileRows) * k_tiles * kScaleTileBytes);
+            const int first = static_cast<int>(n % kScaleTileRows), quads = kScaleTileBytes / 16;
+            for (int i = threadIdx.x; i < k_tiles * quads; i += blockDim.x) {
+                const int j = i % quads;
+                if (j >= first) {
+                    tile[i] = make_uint4(0u, 0u, 0u, 0u);
+                } else {
+#pragma unroll
+                    for (int q = 1; q < 4; ++q)
+                        if (j + 32 * q >= first) reinterpret_cast<uint32_t*>(tile + i)[q] = 0u;
+                }
+            }
+        }
+    }
+}
+
 // recv: wait for every source, then lay the round out. Blocks [first_block, grid) take part (see dispatch_kernel).
 template <int FMT>
 __device__ void phase_recv(const EPParams& ep, const DispatchArgs& a, int round, char* smem, int first_block,
@@ -81,25 +139,7 @@ __device__ void phase_recv(const EPParams& ep, const DispatchArgs& a, int round,
         if (l == L - 1) s_offsets[sh + L] = start + size;
     });
     constexpr bool kTiled = FMT == kFmtNvfp4 || FMT == kFmtMxfp4;
-    if (kTiled && threadIdx.x < kWarp) {
-        // 128-row scale tiles (fp4): each group starts a fresh one; its first tile by a warp's prefix sum, 32 groups
-        // a pass. (Thread 0 alone, a group after the other, took 2.6 us of every fp4 receive's layout: 2 x H200,
-        // N = 1 trace, layout done at 8.8 us against 6.0 for bf16.)
-        const int ln = static_cast<int>(threadIdx.x);
-        unsigned carry = 0;
-        for (int g0 = 0; g0 < G; g0 += kWarp) {
-            const int g = g0 + ln;
-            const unsigned n = g < G ? (s_offsets[g + 1] - s_offsets[g] + kScaleTileRows - 1) / kScaleTileRows : 0u;
-            unsigned incl = n;
-            for (int o = 1; o < kWarp; o <<= 1) {
-                const unsigned v = __shfl_up_sync(0xffffffffu, incl, o);
-                if (ln >= o) incl += v;
-            }
-            if (g < G) s_tiles[g] = carry + incl - n;
-            carry += __shfl_sync(0xffffffffu, incl, kWarp - 1);
-        }
-        if (ln == 0) s_tiles_end = carry;
-    }
+    if (kTiled && threadIdx.x < kWarp) scan_scale_tiles(s_offsets, G, s_tiles, &s_tiles_end);
     __syncthreads();
     if (block == 0) {
         for (int g = threadIdx.x; g <= G; g += blockDim.x) {
@@ -153,60 +193,14 @@ __device__ void phase_recv(const EPParams& ep, const DispatchArgs& a, int round,
     // messages: it needs only the layout, so it fills the wait for the first flags (at decode the receive blocks
     // wait several microseconds for the first message; padding after the messages was on the round's critical path).
     for (int g = block; g < G; g += n_blocks) {
-        const unsigned begin = s_offsets[g], end = s_offsets[g + 1];
-        unsigned used = end;
+        unsigned used;
         if (sh && g == 0) used = shared_tokens(ep, s_tally, rank);
         else {
             int n = 0;
             for (int s = 0; s < n_src; ++s) n += s_tally[s * E1 + rank * L + (g - sh)];
-            used = begin + n;
+            used = s_offsets[g] + n;
         }
-        if constexpr (FMT == kFmtFp8) {
-            for (unsigned row = used; row < end; ++row) {
-                for (long long b = threadIdx.x; b < pb / 16; b += blockDim.x)
-                    reinterpret_cast<int4*>(tokens + row * pb)[b] = make_int4(0, 0, 0, 0);
-                float* out = static_cast<float*>(a.scales_out);
-                if (defer && g >= sh) {
-                    if (threadIdx.x == 0) scale_rows(ep)[row] = kPadScales;
-                } else {
-                    for (int b = threadIdx.x; b < ep.n_scales; b += blockDim.x) out[b * ep.capacity + row] = 0.f;
-                }
-                if (threadIdx.x == 0) {
-                    a.src_info[2LL * row] = -1;
-                    a.src_info[2LL * row + 1] = -1;
-                    a.row_src[row] = -1;
-                    a.row_weight[row] = 0.f;
-                }
-            }
-        } else if constexpr (FMT == kFmtNvfp4 || FMT == kFmtMxfp4) {
-            const unsigned n = used - begin;
-            const unsigned pad_end = (n + kScaleTileRows - 1) / kScaleTileRows * kScaleTileRows;
-            const int k_tiles = static_cast<int>(ep.k_tiles);
-            uint8_t* out = static_cast<uint8_t*>(a.scales_out);
-            if (defer && g >= sh) {
-                for (unsigned i = threadIdx.x; i < pad_end - n; i += blockDim.x)
-                    scale_rows(ep)[static_cast<long long>(s_tiles[g]) * kScaleTileRows + n + i] = kPadScales;
-            } else if (pad_end > n) {
-                // The group's last tile, rows n % 128 .. 127, block by block, consecutive threads on consecutive
-                // 16-byte quads: quad j of a (tile, kt) 512-byte block holds rows j, j + 32, j + 64, j + 96 (word q:
-                // row j + 32 q). A quad of padding rows only is one store; otherwise its padding words go one by one
-                // (the message warps store the real rows' words meanwhile). (A word per (row, kt) in row order went
-                // 512 bytes apart: 1.7 M scattered stores, most of a 2 x H200 N = 128 nvfp4 dispatch's 80 us.)
-                uint4* tile = reinterpret_cast<uint4*>(
-                    out + (static_cast<long long>(s_tiles[g]) + n / kScaleTileRows) * k_tiles * kScaleTileBytes);
-                const int first = static_cast<int>(n % kScaleTileRows), quads = kScaleTileBytes / 16;
-                for (int i = threadIdx.x; i < k_tiles * quads; i += blockDim.x) {
-                    const int j = i % quads;
-                    if (j >= first) {
-                        tile[i] = make_uint4(0u, 0u, 0u, 0u);
-                    } else {
-#pragma unroll
-                        for (int q = 1; q < 4; ++q)
-                            if (j + 32 * q >= first) reinterpret_cast<uint32_t*>(tile + i)[q] = 0u;
-                    }
-                }
-            }
-        }
+        pad_group<FMT>(ep, a, s_offsets, s_tiles, g, used, defer && g >= sh);
     }
     const SourceInterleave order{s_msg_count, n_src, n_chunks, 0, n_src * s_msg_most * n_chunks};
     for (int item = claim(-1); item < order.n_items; item = claim(item)) {

@@ -13,6 +13,27 @@ __device__ __forceinline__ long long swizzle_row(const unsigned* s_tile_start, c
     return static_cast<long long>(s_tile_start[g]) * kScaleTileRows + (row - s_row_offsets[g]);
 }
 
+// 128-row scale tiles (fp4): each group g (rows s_offsets[g] .. s_offsets[g + 1]) starts a fresh one; its first
+// tile s_tiles[g] by a warp's prefix sum, 32 groups a pass; *tiles_end: the tiles used. One warp (lanes 0 .. 31).
+// (Thread 0 alone, a group after the other, took 2.6 us of every fp4 receive's layout: 2 x H200, N = 1 trace,
+// layout done at 8.8 us against 6.0 for bf16.)
+__device__ __forceinline__ void scan_scale_tiles(const unsigned* s_offsets, int G, unsigned* s_tiles,
+                                                 unsigned* tiles_end) {
+    const int ln = static_cast<int>(threadIdx.x % kWarp);
+    unsigned carry = 0;
+    for (int g0 = 0; g0 < G; g0 += kWarp) {
+        const int g = g0 + ln;
+        const unsigned n = g < G ? (s_offsets[g + 1] - s_offsets[g] + kScaleTileRows - 1) / kScaleTileRows : 0u;
+        unsigned incl = n;
+        for (int o = 1; o < kWarp; o <<= 1) {
+            const unsigned v = __shfl_up_sync(0xffffffffu, incl, o);
+            if (ln >= o) incl += v;
+        }
+        if (g < G) s_tiles[g] = carry + incl - n;
+        carry += __shfl_sync(0xffffffffu, incl, kWarp - 1);
+    }
+    if (ln == 0) *tiles_end = carry;
+}
 // fp4: the 4-byte unit of the 128x4 tiled layout, a row's scales 4 kt .. 4 kt + 3 of its plain bytes `src` (zero
 // past n_scales).
 __device__ __forceinline__ uint32_t scale_word(const uint8_t* src, int kt, int n_scales) {

@@ -9,6 +9,34 @@
 
 namespace cuep {
 
+// Encode values [c_lo, c_hi) of the row x_row (c_lo a multiple of 256; c_hi too, or H) into a warp's staging:
+// payload bytes at their offsets in the whole row, scales as the row's plain scale bytes. All 32 lanes; ends with
+// __syncwarp. kMaxSteps spans per step while they last (4 loads in flight per lane: one span at a time left the
+// encode waiting on each load), then one at a time.
+template <int FMT, typename T, int kMaxSteps = kEncodeSteps>
+__device__ __forceinline__ void encode_chunk(const T* x_row, int c_lo, int c_hi, int H, uint8_t* s_payload,
+                                             uint8_t* s_scales, float global_scale, int lane) {
+    using S = typename FormatTraits<FMT>::Scale;
+    const RowSource<T, FMT != kFmtBf16> src{x_row};
+    const RowScales<S> row_scales{reinterpret_cast<S*>(s_scales)};
+    // about 64 bytes of x in flight per lane: 4 spans of bf16, 2 of float32
+    constexpr int kSteps = sizeof(T) == 2 ? kMaxSteps : (kMaxSteps + 1) / 2;
+    int col0 = c_lo;
+    for (; col0 + kSteps * kWarpSpan <= c_hi; col0 += kSteps * kWarpSpan) {
+        if constexpr (FMT == kFmtBf16)
+            warp_quantize_span<FMT, kSteps>(src, col0, H, s_payload, NoScales{}, global_scale, lane);
+        else
+            warp_quantize_span<FMT, kSteps>(src, col0, H, s_payload, row_scales, global_scale, lane);
+    }
+    for (; col0 < c_hi; col0 += kWarpSpan) {
+        if constexpr (FMT == kFmtBf16)
+            warp_quantize_span<FMT, 1>(src, col0, H, s_payload, NoScales{}, global_scale, lane);
+        else
+            warp_quantize_span<FMT, 1>(src, col0, H, s_payload, row_scales, global_scale, lane);
+    }
+    __syncwarp();
+}
+
 // send: every rank's layout from the histograms, then one warp per token: encode it once (shared memory, or
 // straight from x for bf16) and store it to each destination rank it goes to.
 template <int FMT, typename T>
@@ -142,27 +170,8 @@ __device__ void phase_send(const EPParams& ep, const DispatchArgs& a, int round,
         if constexpr (kDirectPayload) {
             payload = reinterpret_cast<const uint8_t*>(x_row);
         } else {
-            // Four spans per step while they last (4 loads in flight per lane: one span at a time left the
-            // encode waiting on each load), then one at a time.
-            const RowSource<T, FMT != kFmtBf16> src{x_row};
-            const RowScales<S> row_scales{reinterpret_cast<S*>(s_scales)};
-            // about 64 bytes of x in flight per lane: 4 spans of bf16, 2 of float32
-            constexpr int kSteps = sizeof(T) == 2 ? kEncodeSteps : kEncodeSteps / 2;
-            int col0 = c_lo;
-            for (; col0 + kSteps * kWarpSpan <= c_hi; col0 += kSteps * kWarpSpan) {
-                if constexpr (FMT == kFmtBf16)
-                    warp_quantize_span<FMT, kSteps>(src, col0, H, s_payload, NoScales{}, a.global_scale, lane);
-                else
-                    warp_quantize_span<FMT, kSteps>(src, col0, H, s_payload, row_scales, a.global_scale, lane);
-            }
-            for (; col0 < c_hi; col0 += kWarpSpan) {
-                if constexpr (FMT == kFmtBf16)
-                    warp_quantize_span<FMT, 1>(src, col0, H, s_payload, NoScales{}, a.global_scale, lane);
-                else
-                    warp_quantize_span<FMT, 1>(src, col0, H, s_payload, row_scales, a.global_scale, lane);
-            }
+            encode_chunk<FMT, T>(x_row, c_lo, c_hi, H, s_payload, s_scales, a.global_scale, lane);
             payload = s_payload;
-            __syncwarp();
         }
         // Destinations in a rotated order (from the token's index): the warps of every GPU then write to every
         // destination at once. With d = 0, 1, ... in every warp, all GPUs began by writing to rank 0, one
