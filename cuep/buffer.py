@@ -133,7 +133,9 @@ class Buffer:
         self._mapped: list[int] = []
         self._bases: list[int] = []
         self._launched: set[str] = set()  # kernel files launched on this buffer (ep._before_launch)
-        self._rounds = {"dispatches": 0, "pending": None}  # the order of round halves (ep.py, _check_nothing_pending)
+        # the order of round halves (ep.py, _check_nothing_pending); "local": the latest dispatch took the one-rank
+        # kernels, so its fused combine does too
+        self._rounds = {"dispatches": 0, "pending": None, "local": False}
         theirs = group.allgather(repr(cfg).encode())  # symmetric offsets need the same cfg on every rank
         odd = [r for r, c in enumerate(theirs) if c != theirs[0]]
         if odd:

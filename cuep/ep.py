@@ -476,6 +476,7 @@ def _dispatch(buf: Buffer, x, topk_ids, topk_weights, global_scale: float, phase
         phases = 0  # launched
     runtime = _cp().cuda.runtime
     home = dev = runtime.getDevice()
+    buf._rounds["local"] = False  # whether this round took the one-rank kernels (its combine then does too)
     try:
         for i, ph in (host.order(buf, phases) if phases else ()):
             r = buf._ranks[i]
@@ -487,6 +488,7 @@ def _dispatch(buf: Buffer, x, topk_ids, topk_weights, global_scale: float, phase
             # a one-rank group's fused small round: no protocol (cuda_src/dispatch/local.cuh)
             kind = "local_" if host.local_small >= results[i].num_tokens and ph == _PHASES_ALL else ""
             launch, fixed = _prepared(buf, i, f"dispatch.cu:cuep_dispatch_{kind}{host.fmt}_from_{src}", threads, smem)
+            buf._rounds["local"] = bool(kind)
             _before_launch(buf, "dispatch.cu")
             w = ws[i]
             launch(buf.num_sms, xs[i].data.ptr, ids[i].data.ptr, 0 if w is None else w.data.ptr, *fixed,
@@ -710,7 +712,9 @@ def _combine(buf: Buffer, expert_out, dispatched, topk_weights, residual, phases
             raise ValueError(f"{call}: expert_out is not the array(s) given to combine_async (the receive reads "
                              f"them too): pass combine_wait the same arguments as combine_async")
     ring = host.combine_suffix == "bf16"
-    name = f"combine.cu:cuep_combine_{host.combine_suffix}"
+    # a fused combine after a one-rank dispatch (rounds["local"]): no protocol either (cuda_src/combine/local.cuh)
+    local = phases == _PHASES_ALL and rounds["local"]
+    name = f"combine.cu:cuep_combine_{'local_' if local else ''}{host.combine_suffix}"
     # every launch of a call that sends and receives says so: a partial-sum round with one destination rank then
     # finishes its tokens in the send half (combine/slots.cuh direct_out), and the receive half must agree
     one_call = PHASE_LOCAL_X if (phases & PHASE_SEND and phases & PHASE_RECV) else 0
@@ -730,7 +734,7 @@ def _combine(buf: Buffer, expert_out, dispatched, topk_weights, residual, phases
                 runtime.setDevice(r.device)
                 dev = r.device
             mode = modes[i]
-            smem = COMBINE_RING_BYTES if (ph & PHASE_SEND and ring and mode == MODE_PARTIAL) else 0
+            smem = COMBINE_RING_BYTES if (ph & PHASE_SEND and ring and mode == MODE_PARTIAL and not local) else 0
             launch, fixed = _prepared(buf, i, name, _THREADS, smem)
             _before_launch(buf, "combine.cu")
             w, rs = ws[i], res[i]

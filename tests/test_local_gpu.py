@@ -20,10 +20,10 @@ def make(**kw):
     return cfg, cuep.Buffer(cuep.init([0]), cfg, timeout_s=5.0)
 
 
-def local_launches(buf) -> int:
-    """How many one-rank kernels this buffer has prepared (one per kernel variant used)."""
+def local_launches(buf, op: str = "dispatch") -> int:
+    """How many one-rank kernels of ``op`` this buffer has prepared (one per kernel variant used)."""
     host = buf._launch_cache.get("host")
-    return sum(1 for key in (host.launches if host else {}) if ":cuep_dispatch_local_" in key[1])
+    return sum(1 for key in (host.launches if host else {}) if f":cuep_{op}_local_" in key[1])
 
 
 @pytest.mark.gpu
@@ -40,6 +40,18 @@ def test_local_rounds_match_reference(fmt, shared, rng):
     run_round(buf, cfg, rng, [12], async_halves=True)  # two launches: the protocol's halves
     run_round(buf, cfg, rng, [12], bare=True)
     assert local_launches(buf) >= 2  # bf16 and float32 input
+    assert local_launches(buf, "combine") == 1
+    buf.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shared", [False, True], ids=["routed", "shared_expert"])
+def test_local_rounds_float32_combine(shared, rng):
+    cfg, buf = make(dispatch_format="nvfp4", combine_dtype="float32", fused_shared_expert=shared)
+    for n, weights_at, residual in ((9, "dispatch", False), (32, "combine", True), (3, None, False),
+                                    (40, "dispatch", True), (1, "dispatch", True)):
+        run_round(buf, cfg, rng, [n], weights_at=weights_at, residual=residual)
+    assert local_launches(buf, "combine") == 1
     buf.close()
 
 

@@ -9,6 +9,7 @@
 //                                  followed by its arrival count (polled partial sums: none)
 //   recv    combine/recv.cuh       tokens in order as their slots land: the weighted sum, plus the shared expert
 //                                  and the residual; or the unreduced [N, K (+1), H]
+// A fused combine after a one-rank dispatch takes its own kernels (combine/local.cuh: no protocol).
 // Where the data lands and how arrival is counted: combine/slots.cuh; every cross-rank access goes through the
 // transport seam (ep/transport.cuh).
 #include "ep.cuh"
@@ -25,6 +26,7 @@ constexpr int kCombinePieceBytes = 4 * 2 * 32 * 16;
 constexpr int kCombineRingBytes = kCombineRing * kCombinePieceBytes * (kCombineThreads / 32);
 }  // namespace cuep
 
+#include "combine/local.cuh"
 #include "combine/recv.cuh"
 #include "combine/send.cuh"
 
@@ -80,3 +82,15 @@ __device__ __forceinline__ void combine_kernel(const EPParams& ep, const Combine
 
 CUEP_COMBINE(cuep_combine_bf16, cuep::bf16_t)
 CUEP_COMBINE(cuep_combine_f32, float)
+
+// The one-rank combine (combine/local.cuh), a kernel of its own: cuep/ep.py launches it for a fused combine after a
+// one-rank dispatch (cuep_dispatch_local_*) of the same round.
+#define CUEP_COMBINE_LOCAL(NAME, TC)                                                                         \
+    extern "C" __global__ void __launch_bounds__(cuep::kCombineThreads, 1)                                   \
+        NAME(const __grid_constant__ cuep::CombineParams params) {                                           \
+        const cuep::CombineArgs call = params.call;                                                          \
+        if (params.ep.n_ranks == 1 && !cuep::has_failed(params.ep)) cuep::combine_local<TC>(params.ep, call);   \
+    }
+
+CUEP_COMBINE_LOCAL(cuep_combine_local_bf16, cuep::bf16_t)
+CUEP_COMBINE_LOCAL(cuep_combine_local_f32, float)

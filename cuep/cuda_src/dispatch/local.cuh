@@ -2,7 +2,8 @@
 // rank to count with or wait for, so every block lays the round out by itself from topk_ids (the small round's
 // book, in shared memory: small_bookkeeping) and places its share of the rows. No flags, no fences, no grid-wide
 // wait, no counters: the round's cost is one launch, the book and the copies. The outputs and the combine handle
-// are those of the protocol's small round (rows of an expert in token order), so combine reads them unchanged.
+// are those of the protocol's small round (rows of an expert in token order), so the protocol's combine reads them
+// unchanged; each choice's row also goes to local_choice_rows for the one-rank combine (combine/local.cuh).
 #pragma once
 #include "recv.cuh"
 #include "send.cuh"
@@ -109,6 +110,7 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
         const T* x_row = static_cast<const T*>(a.x) + static_cast<long long>(t) * H;
         const bool shared = sh && t >= s_shared_lo && t < s_shared_lo + s_shared_n;
         const bool any = (book.words[rank * mask_stride + t / 32] >> (t % 32)) & 1u;  // a row of an expert here
+        if (!any && ch == 0 && lane < K) local_choice_rows(ep)[t * K + lane] = -1;  // for the one-rank combine
         if (!any && !shared) continue;
         const uint8_t* payload;
         if constexpr (FMT == kFmtBf16 && sizeof(T) == 2) {
@@ -148,6 +150,7 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
             if (shared) place_row_scales<FMT>(ep, a, srow, srow, s_scales, lane, kWarp, b_lo, b_hi);
         }
         if (ch == 0) {
+            if (lane < K) local_choice_rows(ep)[t * K + lane] = row;
             const float w = lane < K && a.topk_weights ? a.topk_weights[static_cast<long long>(t) * K + lane] : 0.f;
             if (row >= 0) {
                 a.src_info[2LL * row] = t;

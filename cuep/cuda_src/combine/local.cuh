@@ -1,0 +1,79 @@
+// Combine of a one-rank group after a one-rank dispatch (dispatch/local.cuh), all phases in one launch: every
+// expert row is already here, so each token is summed straight from expert_out through the rows that dispatch
+// noted per choice (local_choice_rows). No readiness, no slots, no counters. The arithmetic is the protocol's, in
+// the same order (a partial sum's rows in k order, accumulated in float32, then the shared expert's row and the
+// residual, rounded once; kWeighted the same with combine's weights; kUnreduced the rows as they are), so the
+// outputs are bit-identical to the protocol's and to cuep.reference.
+#pragma once
+#include "slots.cuh"
+
+namespace cuep {
+
+template <typename TC>
+__device__ void combine_local(const EPParams& ep, const CombineArgs& a) {
+    const int K = static_cast<int>(ep.top_k), H = static_cast<int>(ep.hidden), N = a.num_tokens;
+    const int n_vec = H / 8, lane = threadIdx.x % kWarp;
+    const bool shared = ep.shared != 0;
+    const int sh_lo = shared ? shared_lo(ep, N) : 0, sh_hi = shared ? shared_hi(ep, N) : 0;
+    const TC* eo = static_cast<const TC*>(a.expert_out);
+    TC* out = static_cast<TC*>(a.out);
+    const int* rows_of = local_choice_rows(ep);
+    // items (token, chunk of 16-byte vectors), one warp each, consecutive items on different blocks
+    const int kChunkVecs = static_cast<int>(chunk_units(N, n_vec, kWarp));
+    const int n_chunks = (n_vec + kChunkVecs - 1) / kChunkVecs;
+    const long long grid_warps = static_cast<long long>(gridDim.x) * (blockDim.x / kWarp);
+    for (long long item = static_cast<long long>(threadIdx.x / kWarp) * gridDim.x + blockIdx.x;
+         item < static_cast<long long>(N) * n_chunks; item += grid_warps) {
+        const int t = static_cast<int>(item / n_chunks), ch = static_cast<int>(item % n_chunks);
+        const int c_begin = ch * kChunkVecs, c_end = min(n_vec, c_begin + kChunkVecs);
+        const int row = lane < K ? rows_of[static_cast<long long>(t) * K + lane] : -1;
+        const unsigned valid = __ballot_sync(0xffffffffu, row >= 0);
+        if (a.mode == kUnreduced) {
+            const int width = K + (shared ? 1 : 0), span = c_end - c_begin;
+            TC* o = out + static_cast<long long>(t) * width * H;
+            for (int i = lane; i < width * span; i += kWarp) {
+                const int k = i / span, c = c_begin + i % span;
+                float v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+                if (k < K) {
+                    if ((valid >> k) & 1u)
+                        load8f(eo + static_cast<long long>(rows_of[static_cast<long long>(t) * K + k]) * H + 8 * c, v);
+                } else if (sh_lo <= t && t < sh_hi) {  // shared expert: group 0, row t - sh_lo
+                    load8f(eo + static_cast<long long>(t - sh_lo) * H + 8 * c, v);
+                }
+                store8f(o + static_cast<long long>(k) * H + 8 * c, v);
+            }
+            continue;
+        }
+        // kPartial: the weights given at dispatch (row_weight); kWeighted: combine's
+        const float w = row < 0 ? 0.f
+                        : a.mode == kPartial ? a.row_weight[row]
+                                             : a.topk_weights[static_cast<long long>(t) * K + lane];
+        for (int c0 = c_begin; c0 < c_end; c0 += kWarp) {
+            const int c = c0 + lane;
+            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            for (unsigned mk = valid; mk;) {  // 4 rows' loads in flight, summed in k order
+                int rk[4];
+                float wk[4], v[4][8];
+#pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    const int k = mk ? __ffs(mk) - 1 : 0;
+                    rk[u] = mk ? __shfl_sync(0xffffffffu, row, k) : -1;
+                    wk[u] = __shfl_sync(0xffffffffu, w, k);
+                    if (mk) mk &= mk - 1;
+                }
+#pragma unroll
+                for (int u = 0; u < 4; ++u)
+                    if (rk[u] >= 0 && c < c_end) load8f(eo + static_cast<long long>(rk[u]) * H + 8 * c, v[u]);
+#pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    if (rk[u] < 0 || c >= c_end) continue;
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) acc[i] += wk[u] * v[u][i];
+                }
+            }
+            if (c < c_end) finish_out_vector<TC>(ep, a, sh_lo, sh_hi, t, c, acc);
+        }
+    }
+}
+
+}  // namespace cuep
