@@ -22,9 +22,10 @@ __device__ void combine_local(const EPParams& ep, const CombineArgs& a) {
     const int kChunkVecs = static_cast<int>(chunk_units(N, n_vec, kWarp));
     const int n_chunks = (n_vec + kChunkVecs - 1) / kChunkVecs;
     const long long grid_warps = static_cast<long long>(gridDim.x) * (blockDim.x / kWarp);
-    for (long long item = static_cast<long long>(threadIdx.x / kWarp) * gridDim.x + blockIdx.x;
-         item < static_cast<long long>(N) * n_chunks; item += grid_warps) {
-        const int t = static_cast<int>(item / n_chunks), ch = static_cast<int>(item % n_chunks);
+    // (N * n_chunks is small: N <= small_batch_tokens, and chunks split a token only while warps outnumber tokens)
+    for (int item = static_cast<int>(threadIdx.x / kWarp * gridDim.x + blockIdx.x); item < N * n_chunks;
+         item += static_cast<int>(grid_warps)) {
+        const int t = item / n_chunks, ch = item % n_chunks;
         const int c_begin = ch * kChunkVecs, c_end = min(n_vec, c_begin + kChunkVecs);
         const int row = lane < K ? rows_of[static_cast<long long>(t) * K + lane] : -1;
         const unsigned valid = __ballot_sync(0xffffffffu, row >= 0);

@@ -23,10 +23,6 @@ __device__ __forceinline__ long long local_fixed_bytes(const EPParams& ep) {
     return small_book_bytes(ep) + align_up(4 * (ep.n_groups + 1)) + align_up(4 * ep.n_groups);
 }
 
-// Spans per encode step: a decode round's chunks are one or two spans (N = 1 .. 128 over 2112 warps), and the
-// protocol's four (send) left this path 8 bytes of registers short (a spill) next to its row bookkeeping.
-constexpr int kLocalEncodeSteps = 4;
-
 template <int FMT, typename T>
 __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* smem) {
     const int K = static_cast<int>(ep.top_k), H = static_cast<int>(ep.hidden), G = static_cast<int>(ep.n_groups);
@@ -35,6 +31,13 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
     const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, n_warps = blockDim.x / kWarp;
     constexpr bool kTiled = FMT == kFmtNvfp4 || FMT == kFmtMxfp4;
     using S = typename FormatTraits<FMT>::Scale;
+
+    // Items (token, chunk of whole 256-value spans), one warp each, consecutive items on different blocks (3.).
+    const int n_spans = (H + kWarpSpan - 1) / kWarpSpan;
+    const long long grid_warps = static_cast<long long>(gridDim.x) * n_warps;
+    const int spans_per_chunk = static_cast<int>(max(chunk_units(N, n_spans, 1, grid_warps),
+                                                     static_cast<long long>((n_spans + kMaxChunks - 1) / kMaxChunks)));
+    const int n_chunks = (n_spans + spans_per_chunk - 1) / spans_per_chunk;
 
     // 1. The book (block 0 reports bad choices), the groups' rows and scale tiles.
     const SmallBook book = small_book(ep, smem);
@@ -82,25 +85,21 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
         pad_group<FMT>(ep, a, s_offsets, s_tiles, g, used, false);
     }
 
-    // 3. Items (token, chunk of whole 256-value spans), one warp each, consecutive items on different blocks: encode
-    // the chunk once (staging; bf16 from bf16 goes straight from x) and store it to each row of the token (and its
-    // shared-expert row), with its scales; the chunk 0 item writes the rows' metadata and the token's message.
+    // 3. Items: encode the chunk once (staging; bf16 from bf16 goes straight from x) and store it to each row of the
+    // token (and its shared-expert row), with its scales; the chunk 0 item writes the rows' metadata and the
+    // token's message.
     const long long pb = ep.payload_bytes;
     const int sb = static_cast<int>(ep.scale_bytes);
     const long long staging = align_up(pb) + align_up(sb);
     uint8_t* s_payload = reinterpret_cast<uint8_t*>(smem + local_fixed_bytes(ep)) + warp * staging;
     uint8_t* s_scales = s_payload + align_up(pb);
-    const int n_spans = (H + kWarpSpan - 1) / kWarpSpan;
-    const long long grid_warps = static_cast<long long>(gridDim.x) * n_warps;
-    const int spans_per_chunk = static_cast<int>(max(chunk_units(N, n_spans, 1, grid_warps),
-                                                     static_cast<long long>((n_spans + kMaxChunks - 1) / kMaxChunks)));
-    const int n_chunks = (n_spans + spans_per_chunk - 1) / spans_per_chunk;
     const int mask_stride = book_mask_words(ep);
     char* tokens = ep.local(ep.off_tokens);
     using Vectors = WarpVectors<4>;
-    for (long long item = static_cast<long long>(warp) * gridDim.x + blockIdx.x; item < static_cast<long long>(N) * n_chunks;
-         item += grid_warps) {
-        const int t = static_cast<int>(item / n_chunks), ch = static_cast<int>(item % n_chunks);
+    // (N * n_chunks is small: N <= small_batch_tokens, and chunks split a token only while warps outnumber tokens)
+    for (int item = warp * static_cast<int>(gridDim.x) + static_cast<int>(blockIdx.x); item < N * n_chunks;
+         item += static_cast<int>(grid_warps)) {
+        const int t = item / n_chunks, ch = item % n_chunks;
         const int c_lo = ch * spans_per_chunk * kWarpSpan, c_hi = min(H, c_lo + spans_per_chunk * kWarpSpan);
         const bool last = ch == n_chunks - 1;
         const long long p_lo = payload_offset<FMT>(c_lo), p_hi = last ? pb : payload_offset<FMT>(c_hi);
@@ -116,7 +115,7 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
         if constexpr (FMT == kFmtBf16 && sizeof(T) == 2) {
             payload = reinterpret_cast<const uint8_t*>(x_row);
         } else {
-            encode_chunk<FMT, T, kLocalEncodeSteps>(x_row, c_lo, c_hi, H, s_payload, s_scales, a.global_scale, lane);
+            encode_chunk<FMT, T>(x_row, c_lo, c_hi, H, s_payload, s_scales, a.global_scale, lane);
             payload = s_payload;
         }
         // the token's rows (lane k: choice k's row, or -1) and its row in the shared group (which starts at row 0)

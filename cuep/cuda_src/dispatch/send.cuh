@@ -11,16 +11,16 @@ namespace cuep {
 
 // Encode values [c_lo, c_hi) of the row x_row (c_lo a multiple of 256; c_hi too, or H) into a warp's staging:
 // payload bytes at their offsets in the whole row, scales as the row's plain scale bytes. All 32 lanes; ends with
-// __syncwarp. kMaxSteps spans per step while they last (4 loads in flight per lane: one span at a time left the
-// encode waiting on each load), then one at a time.
-template <int FMT, typename T, int kMaxSteps = kEncodeSteps>
+// __syncwarp. Four spans per step while they last (4 loads in flight per lane: one span at a time left the encode
+// waiting on each load), then one at a time.
+template <int FMT, typename T>
 __device__ __forceinline__ void encode_chunk(const T* x_row, int c_lo, int c_hi, int H, uint8_t* s_payload,
                                              uint8_t* s_scales, float global_scale, int lane) {
     using S = typename FormatTraits<FMT>::Scale;
     const RowSource<T, FMT != kFmtBf16> src{x_row};
     const RowScales<S> row_scales{reinterpret_cast<S*>(s_scales)};
     // about 64 bytes of x in flight per lane: 4 spans of bf16, 2 of float32
-    constexpr int kSteps = sizeof(T) == 2 ? kMaxSteps : (kMaxSteps + 1) / 2;
+    constexpr int kSteps = sizeof(T) == 2 ? kEncodeSteps : kEncodeSteps / 2;
     int col0 = c_lo;
     for (; col0 + kSteps * kWarpSpan <= c_hi; col0 += kSteps * kWarpSpan) {
         if constexpr (FMT == kFmtBf16)
