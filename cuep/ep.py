@@ -231,7 +231,7 @@ def _dispatch_launch(buf: Buffer, staged: bool) -> tuple[int, int]:
     cfg = buf.cfg
     a16 = lambda n: -(-n // 16) * 16  # noqa: E731  (the kernel aligns every part to 16 bytes)
     tally = a16(4 * cfg.n_source_ranks * (cfg.n_experts + 2))  # tally rows: E counts, tokens, messages
-    fixed = max(tally + a16(4 * cfg.n_experts), _small_book_bytes(cfg) + _local_layout_bytes(cfg))
+    fixed = max(tally + a16(4 * cfg.n_experts), _small_book_bytes(cfg), _local_layout_bytes(cfg))
     staging = a16(cfg.payload_bytes) + a16(cfg.message.scale_bytes) if staged else 0
     limit = cupy.cuda.Device(buf._ranks[0].device).attributes["MaxSharedMemoryPerBlockOptin"] - 2048
     warps = _THREADS // 32
@@ -247,12 +247,15 @@ def _dispatch_launch(buf: Buffer, staged: bool) -> tuple[int, int]:
 
 
 def _local_layout_bytes(cfg) -> int:
-    """Shared memory a one-rank group's small round (dispatch/local.cuh: local_fixed_bytes) needs after the book:
-    the groups' first rows [G + 1] and first scale tiles [G]; 0 for a group of several ranks."""
-    if cfg.n_ranks != 1 or not cfg.small_batch_tokens:
+    """Shared memory before the per-warp staging of a one-rank group's placement (dispatch/local.cuh:
+    local_layout_bytes): a small round's book, then the groups' first rows [G + 1] and first scale tiles [G]; a
+    larger round's the same without the book, with the local experts' row counts [L]. 0 for several ranks."""
+    if cfg.n_ranks != 1:
         return 0
     a16 = lambda n: -(-n // 16) * 16  # noqa: E731
-    return a16(4 * (cfg.n_groups + 1)) + a16(4 * cfg.n_groups)
+    groups = a16(4 * (cfg.n_groups + 1)) + a16(4 * cfg.n_groups)
+    small = _small_book_bytes(cfg) + groups if cfg.small_batch_tokens else 0
+    return max(small, groups + a16(4 * cfg.n_local_experts))
 
 
 def _small_book_bytes(cfg) -> int:
@@ -297,7 +300,8 @@ class _Host:
     prepared launches (:class:`cuep._kernels.PreparedLaunch`) per (rank, kernel, shared memory)."""
 
     __slots__ = ("names", "orders", "launches", "hidden", "top_k", "max_tokens", "capacity", "fmt", "cdt",
-                 "combine_suffix", "where", "views", "local_small")
+                 "combine_suffix", "where", "views", "one_rank", "small", "groups_smem",
+                 "offsets_smem")
 
     def __init__(self, buf: Buffer):
         cfg = buf.cfg
@@ -314,8 +318,12 @@ class _Host:
         self.cdt = _bf16() if cfg.combine_dtype == "bfloat16" else _F32
         self.combine_suffix = "bf16" if cfg.combine_dtype == "bfloat16" else "f32"
         self.where = f"(cfg.combine_dtype={cfg.combine_dtype!r})"
-        # fused dispatches of at most this many tokens take the one-rank kernels (-1: none do; several ranks)
-        self.local_small = cfg.small_batch_tokens if cfg.n_ranks == 1 and cfg.small_batch_tokens else -1
+        # a one-rank group's fused calls take the one-rank kernels (one launch up to `small` tokens, else three;
+        # larger quantized rounds keep the protocol: dispatch.cu says why)
+        self.one_rank, self.small = cfg.n_ranks == 1, cfg.small_batch_tokens
+        a16 = lambda n: -(-n // 16) * 16  # noqa: E731
+        self.groups_smem = a16(4 * (cfg.n_groups + 1)) + a16(4 * cfg.n_groups) + a16(4 * cfg.n_local_experts)
+        self.offsets_smem = a16(4 * (cfg.n_groups + 1))  # the one-rank combine's copy of row_offsets
 
     def order(self, buf: Buffer, phases: int) -> list:
         o = self.orders.get(phases)
@@ -485,14 +493,26 @@ def _dispatch(buf: Buffer, x, topk_ids, topk_weights, global_scale: float, phase
                 dev = r.device
             src = "bf16" if xs[i].dtype == bf16 else "f32"
             threads, smem = _dispatch_launch(buf, staged=host.fmt != "bf16" or src != "bf16")
-            # a one-rank group's fused small round: no protocol (cuda_src/dispatch/local.cuh)
-            kind = "local_" if host.local_small >= results[i].num_tokens and ph == _PHASES_ALL else ""
-            launch, fixed = _prepared(buf, i, f"dispatch.cu:cuep_dispatch_{kind}{host.fmt}_from_{src}", threads, smem)
-            buf._rounds["local"] = bool(kind)
-            _before_launch(buf, "dispatch.cu")
             w = ws[i]
-            launch(buf.num_sms, xs[i].data.ptr, ids[i].data.ptr, 0 if w is None else w.data.ptr, *fixed,
-                   results[i].num_tokens, global_scale, ph | local_x)
+            call = (xs[i].data.ptr, ids[i].data.ptr, 0 if w is None else w.data.ptr)
+            tail = (results[i].num_tokens, global_scale, ph | local_x)
+            small = results[i].num_tokens <= host.small and host.small
+            if host.one_rank and ph == _PHASES_ALL and (small or host.fmt == "bf16"):  # cuda_src/dispatch/local.cuh
+                buf._rounds["local"] = True  # no protocol: a small round in one launch, a larger bf16 one in three
+                if small:
+                    launch, fixed = _prepared(buf, i, f"dispatch.cu:cuep_dispatch_local_{host.fmt}_from_{src}",
+                                              threads, smem)
+                    launch(buf.num_sms, *call, *fixed, *tail)
+                    continue
+                for name, grid, size in (("local_count", buf.num_sms, 0),
+                                         (f"local_groups_{host.fmt}", 1, host.groups_smem),
+                                         (f"local_place_{host.fmt}_from_{src}", buf.num_sms, smem)):
+                    launch, fixed = _prepared(buf, i, f"dispatch.cu:cuep_dispatch_{name}", threads, size)
+                    launch(grid, *call, *fixed, *tail)
+                continue
+            launch, fixed = _prepared(buf, i, f"dispatch.cu:cuep_dispatch_{host.fmt}_from_{src}", threads, smem)
+            _before_launch(buf, "dispatch.cu")
+            launch(buf.num_sms, *call, *fixed, *tail)
     finally:
         if dev != home:
             runtime.setDevice(home)
@@ -712,8 +732,11 @@ def _combine(buf: Buffer, expert_out, dispatched, topk_weights, residual, phases
             raise ValueError(f"{call}: expert_out is not the array(s) given to combine_async (the receive reads "
                              f"them too): pass combine_wait the same arguments as combine_async")
     ring = host.combine_suffix == "bf16"
-    # a fused combine after a one-rank dispatch (rounds["local"]): no protocol either (cuda_src/combine/local.cuh)
-    local = phases == _PHASES_ALL and rounds["local"]
+    # after a one-rank dispatch (rounds["local"]) no protocol either (cuda_src/combine/local.cuh): the fused call
+    # and combine_wait sum every token; combine_async has nothing to send and launches nothing
+    local = rounds["local"]
+    if local and not phases & PHASE_RECV:
+        phases = 0
     name = f"combine.cu:cuep_combine_{'local_' if local else ''}{host.combine_suffix}"
     # every launch of a call that sends and receives says so: a partial-sum round with one destination rank then
     # finishes its tokens in the send half (combine/slots.cuh direct_out), and the receive half must agree
@@ -734,7 +757,9 @@ def _combine(buf: Buffer, expert_out, dispatched, topk_weights, residual, phases
                 runtime.setDevice(r.device)
                 dev = r.device
             mode = modes[i]
-            smem = COMBINE_RING_BYTES if (ph & PHASE_SEND and ring and mode == MODE_PARTIAL and not local) else 0
+            smem = COMBINE_RING_BYTES if (ph & PHASE_SEND and ring and mode == MODE_PARTIAL) else 0
+            if local:
+                smem = host.offsets_smem
             launch, fixed = _prepared(buf, i, name, _THREADS, smem)
             _before_launch(buf, "combine.cu")
             w, rs = ws[i], res[i]

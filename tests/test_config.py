@@ -165,9 +165,12 @@ def test_small_batch_tokens_default_and_staging_region():
     # a one-rank group's small round (dispatch/local.cuh) keeps the groups' first rows and scale tiles after the book
     from cuep.ep import _local_layout_bytes
     one = EPConfig(**{**STD, "n_gpus_per_node": 1, "n_nodes": 1})
-    assert _local_layout_bytes(one) == 16 * -(-4 * (one.n_groups + 1) // 16) + 16 * -(-4 * one.n_groups // 16)
+    groups = 16 * -(-4 * (one.n_groups + 1) // 16) + 16 * -(-4 * one.n_groups // 16)
+    assert _local_layout_bytes(one) == _small_book_bytes(one) + groups
     assert cfg.n_ranks == 4 and _local_layout_bytes(cfg) == 0
-    assert _local_layout_bytes(EPConfig(**{**STD, "n_gpus_per_node": 1, "n_nodes": 1, "small_batch_tokens": 0})) == 0
+    # small rounds off: the larger rounds' layout only (groups and the local experts' row counts)
+    off1 = EPConfig(**{**STD, "n_gpus_per_node": 1, "n_nodes": 1, "small_batch_tokens": 0})
+    assert _local_layout_bytes(off1) == groups + 4 * 256
     # block 0's per-expert token masks bound small_batch_tokens by n_experts (64 KiB of masks)
     assert EPConfig(**{**STD, "n_experts": 1024, "small_batch_tokens": 512}).small_batch_tokens == 512
     with pytest.raises(ValueError, match=r"small_batch_tokens=544 with n_experts=1024 must be <= 512"):

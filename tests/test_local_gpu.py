@@ -1,7 +1,7 @@
-"""The one-rank dispatch (cuda_src/dispatch/local.cuh): a group of one rank runs a fused round of at most
-small_batch_tokens tokens in its own kernel (every block lays the round out from topk_ids, no protocol). Every
-output against cuep.reference, mixed with protocol rounds on the same buffer, every combine mode after it, bad
-routing reported, and a CUDA graph replay."""
+"""The one-rank kernels (cuda_src/dispatch/local.cuh, combine/local.cuh): a group of one rank runs a fused dispatch
+without protocol (one launch up to small_batch_tokens tokens, three above), and its combine (fused or halves) sums
+straight from expert_out. Every output against cuep.reference, mixed with protocol rounds (the dispatch halves) on
+the same buffer, every combine mode, bad routing reported, and a CUDA graph replay."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,7 +9,7 @@ import pytest
 
 import cuep
 from cuep import reference as ref
-from ep_check import make_inputs, run_round, to_devices
+from ep_check import make_inputs, random_tokens, run_round, to_devices
 
 FORMATS = ["bf16", "fp8", "nvfp4", "mxfp4"]
 
@@ -31,15 +31,55 @@ def local_launches(buf, op: str = "dispatch") -> int:
 @pytest.mark.parametrize("shared", [False, True], ids=["routed", "shared_expert"])
 def test_local_rounds_match_reference(fmt, shared, rng):
     cfg, buf = make(dispatch_format=fmt, fused_shared_expert=shared)
-    # 0, 1, some, exactly small_batch_tokens; 48 > 32 takes the protocol in between; the halves too
-    for n in (1, 0, 7, 32, 48, 32, 1):
+    # 0, 1, some, exactly small_batch_tokens (one launch); 33 and 48 > 32 (three launches); the halves: protocol
+    for n in (1, 0, 7, 32, 48, 33, 32, 1):
         run_round(buf, cfg, rng, [n], weights_at="dispatch")
     run_round(buf, cfg, rng, [32], weights_at="combine", residual=True)
     run_round(buf, cfg, rng, [20], weights_at=None)
     run_round(buf, cfg, rng, [20], skew=True, dtype=np.dtype(np.float32))
     run_round(buf, cfg, rng, [12], async_halves=True)  # two launches: the protocol's halves
     run_round(buf, cfg, rng, [12], bare=True)
-    assert local_launches(buf) >= 2  # bf16 and float32 input
+    assert local_launches(buf) >= (5 if fmt == "bf16" else 2)  # small (and bf16 larger) rounds, bf16 / f32 input
+    assert local_launches(buf, "combine") == 1
+    buf.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_larger_local_rounds(fmt, rng):
+    # small rounds off: every fused bf16 round takes the three launches (count, groups, place), skewed routing
+    # too; quantized ones keep the protocol
+    cfg, buf = make(dispatch_format=fmt, small_batch_tokens=0, max_tokens_per_rank=300, fused_shared_expert=True)
+    for n, skew in ((300, False), (0, False), (1, False), (257, True), (64, False)):
+        run_round(buf, cfg, rng, [n], skew=skew)
+    run_round(buf, cfg, rng, [100], weights_at="combine", residual=True)
+    run_round(buf, cfg, rng, [100], weights_at=None)
+    one_rank = fmt == "bf16"
+    assert local_launches(buf) == (3 if one_rank else 0) and local_launches(buf, "combine") == int(one_rank)
+    buf.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [5, 40])
+def test_local_combine_halves(n, rng):
+    # after a one-rank dispatch (bf16: both N take one, small and larger), combine_async launches nothing and
+    # combine_wait sums: bit-identical to a fused combine (the protocol's halves round a partial sum to bf16 first)
+    import cupy
+
+    cfg, buf = make(dispatch_format="bf16", fused_shared_expert=True)
+    xs, ids, ws = make_inputs(rng, cfg, [n])
+    gx, gids, gws = to_devices(buf.group, xs), to_devices(buf.group, ids), to_devices(buf.group, ws)
+    eo = to_devices(buf.group, [random_tokens(rng, cfg.capacity, cfg.hidden)])[0]
+    res = gx[0].copy()
+    for weights_at in ("dispatch", "combine", None):
+        d = cuep.dispatch(buf, gx, gids, gws if weights_at == "dispatch" else None)
+        w = gws if weights_at == "combine" else None
+        r = [res] if weights_at else None
+        fused = cuep.combine(buf, [eo], d, w, residual=r)[0].copy()
+        cuep.combine_async(buf, [eo], d, w, residual=r)
+        halves = cuep.combine_wait(buf, [eo], d, w, residual=r)[0]
+        buf.synchronize()
+        np.testing.assert_array_equal(halves.view(cupy.uint16).get(), fused.view(cupy.uint16).get())
     assert local_launches(buf, "combine") == 1
     buf.close()
 

@@ -1,9 +1,10 @@
-// Combine of a one-rank group after a one-rank dispatch (dispatch/local.cuh), all phases in one launch: every
-// expert row is already here, so each token is summed straight from expert_out through the rows that dispatch
-// noted per choice (local_choice_rows). No readiness, no slots, no counters. The arithmetic is the protocol's, in
-// the same order (a partial sum's rows in k order, accumulated in float32, then the shared expert's row and the
-// residual, rounded once; kWeighted the same with combine's weights; kUnreduced the rows as they are), so the
-// outputs are bit-identical to the protocol's and to cuep.reference.
+// Combine of a one-rank group after a one-rank dispatch (dispatch/local.cuh), fused or as combine_wait (a one-rank
+// combine_async has nothing to send): every expert row is already here, so each token is summed straight from
+// expert_out through the rows of its choices (row_offsets[group] + the position dispatch noted, local_choice_pos).
+// No readiness, no slots, no counters. The arithmetic is the protocol's, in the same order (a partial sum's rows in
+// k order, accumulated in float32, then the shared expert's row and the residual, rounded once; kWeighted the same
+// with combine's weights; kUnreduced the rows as they are), so the outputs are bit-identical to the protocol's and
+// to cuep.reference.
 #pragma once
 #include "slots.cuh"
 
@@ -17,17 +18,27 @@ __device__ void combine_local(const EPParams& ep, const CombineArgs& a) {
     const int sh_lo = shared ? shared_lo(ep, N) : 0, sh_hi = shared ? shared_hi(ep, N) : 0;
     const TC* eo = static_cast<const TC*>(a.expert_out);
     TC* out = static_cast<TC*>(a.out);
-    const int* rows_of = local_choice_rows(ep);
+    const int* pos = local_choice_pos(ep);
+    const int L = static_cast<int>(ep.n_local), first = static_cast<int>(ep.rank) * L - (shared ? 1 : 0);
+    // the groups' first rows, in shared memory (cuep/ep.py gives G + 1 words)
+    extern __shared__ unsigned s_offsets[];
+    for (int g = threadIdx.x; g <= ep.n_groups; g += blockDim.x) s_offsets[g] = a.row_offsets[g];
+    __syncthreads();
     // items (token, chunk of 16-byte vectors), one warp each, consecutive items on different blocks
     const int kChunkVecs = static_cast<int>(chunk_units(N, n_vec, kWarp));
     const int n_chunks = (n_vec + kChunkVecs - 1) / kChunkVecs;
     const long long grid_warps = static_cast<long long>(gridDim.x) * (blockDim.x / kWarp);
-    // (N * n_chunks is small: N <= small_batch_tokens, and chunks split a token only while warps outnumber tokens)
+    // (N * n_chunks fits an int: chunks split a token only while warps outnumber tokens)
     for (int item = static_cast<int>(threadIdx.x / kWarp * gridDim.x + blockIdx.x); item < N * n_chunks;
          item += static_cast<int>(grid_warps)) {
         const int t = item / n_chunks, ch = item % n_chunks;
         const int c_begin = ch * kChunkVecs, c_end = min(n_vec, c_begin + kChunkVecs);
-        const int row = lane < K ? rows_of[static_cast<long long>(t) * K + lane] : -1;
+        int row = -1;  // lane k: choice k's row
+        if (lane < K) {
+            const long long c = static_cast<long long>(t) * K + lane;
+            const int p = pos[c];
+            if (p >= 0) row = static_cast<int>(s_offsets[a.topk_ids[c] - first]) + p;
+        }
         const unsigned valid = __ballot_sync(0xffffffffu, row >= 0);
         if (a.mode == kUnreduced) {
             const int width = K + (shared ? 1 : 0), span = c_end - c_begin;
@@ -36,8 +47,11 @@ __device__ void combine_local(const EPParams& ep, const CombineArgs& a) {
                 const int k = i / span, c = c_begin + i % span;
                 float v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
                 if (k < K) {
-                    if ((valid >> k) & 1u)
-                        load8f(eo + static_cast<long long>(rows_of[static_cast<long long>(t) * K + k]) * H + 8 * c, v);
+                    if ((valid >> k) & 1u) {  // (lanes diverge here: the row again from its parts, L1-resident)
+                        const long long ck = static_cast<long long>(t) * K + k;
+                        const long long rk = s_offsets[a.topk_ids[ck] - first] + pos[ck];
+                        load8f(eo + rk * H + 8 * c, v);
+                    }
                 } else if (sh_lo <= t && t < sh_hi) {  // shared expert: group 0, row t - sh_lo
                     load8f(eo + static_cast<long long>(t - sh_lo) * H + 8 * c, v);
                 }

@@ -1,29 +1,118 @@
-// Dispatch of a one-rank group (every expert local), a small round, all phases in one launch: there is no other
-// rank to count with or wait for, so every block lays the round out by itself from topk_ids (the small round's
-// book, in shared memory: small_bookkeeping) and places its share of the rows. No flags, no fences, no grid-wide
-// wait, no counters: the round's cost is one launch, the book and the copies. The outputs and the combine handle
-// are those of the protocol's small round (rows of an expert in token order), so the protocol's combine reads them
-// unchanged; each choice's row also goes to local_choice_rows for the one-rank combine (combine/local.cuh).
+// Dispatch of a one-rank group (every expert local), all phases in one call: there is no other rank to count with
+// or wait for, so no flags, fences, readiness or round counters.
+//   small round (N <= small_batch_tokens), one launch: every block lays the round out by itself from topk_ids (the
+//     small round's book, in shared memory: small_bookkeeping) and places its share of the rows;
+//   larger bf16 rounds, three launches: local_count (every block: validity, a position per choice from the
+//     histogram's atomics), local_groups (one block: the groups, the outputs' offsets, the histogram re-armed), then
+//     the same placement as a small round with the layout read back (larger quantized rounds: dispatch.cu).
+// Outputs as the protocol's (rows of an expert in any order, padding, scales). Each choice's position in its group
+// goes to local_choice_pos for the one-rank combine (combine/local.cuh); the protocol's combine handle is not
+// written: a one-rank round's combine, fused or in halves, is the one-rank combine.
 #pragma once
 #include "recv.cuh"
 #include "send.cuh"
 
 namespace cuep {
 
-// A launch takes the one-rank round when the group is one rank, the round is small and the launch runs every phase
-// (the async / wait halves of one round are two launches: they take the protocol).
-__device__ __forceinline__ bool local_round(const EPParams& ep, int phases, int num_tokens) {
+// A launch takes the one-rank round when the group is one rank and the launch runs every phase.
+__device__ __forceinline__ bool local_round(const EPParams& ep, int phases) {
     constexpr int kAll = kPhaseNotify | kPhaseSend | kPhaseRecv;
-    return ep.n_ranks == 1 && (phases & kAll) == kAll && small_round(ep, num_tokens);
+    return ep.n_ranks == 1 && (phases & kAll) == kAll;
 }
 
-// Shared memory of the one-rank round: the book, the groups' first rows [G + 1] and first scale tiles [G], then one
-// encode staging per warp (cuep/ep.py _dispatch_launch sizes the launch for it: _LOCAL_* there).
-__device__ __forceinline__ long long local_fixed_bytes(const EPParams& ep) {
-    return small_book_bytes(ep) + align_up(4 * (ep.n_groups + 1)) + align_up(4 * ep.n_groups);
+// Shared memory of the placement: (small: the book) the groups' first rows [G + 1], first scale tiles [G], (larger:
+// each local expert's row count [L]), then one encode staging per warp (cuep/ep.py _local_layout_bytes).
+__device__ __forceinline__ long long local_layout_bytes(const EPParams& ep, bool book) {
+    return (book ? small_book_bytes(ep) : 0LL) + align_up(4 * (ep.n_groups + 1)) + align_up(4 * ep.n_groups) +
+           (book ? 0LL : align_up(4 * ep.n_local));
+}
+// A larger round's per-expert row counts, from local_groups to the placement: after the positions in the scratch.
+__device__ __forceinline__ int* local_counts(const EPParams& ep) { return local_choice_pos(ep) + ep.max_tokens * ep.top_k; }
+
+// The groups' first rows (shared expert first, each group padded to the row alignment) from the row count of each
+// local expert (`count(l)`), and for fp4 their first scale tiles. All threads of the block.
+template <int FMT, class Count>
+__device__ void local_scan_groups(const EPParams& ep, int shared_n, Count count, unsigned* s_offsets,
+                                  unsigned* s_tiles) {
+    const int L = static_cast<int>(ep.n_local), sh = static_cast<int>(ep.shared), G = static_cast<int>(ep.n_groups);
+    __shared__ int s_scan[32];
+    __shared__ unsigned s_tiles_end;
+    int carry = sh ? padded(shared_n, ep) : 0;
+    if (threadIdx.x == 0) {
+        s_offsets[0] = 0;
+        if (sh) s_offsets[1] = carry;
+    }
+    for (int l0 = 0; l0 < L; l0 += blockDim.x) {
+        const int l = l0 + threadIdx.x;
+        const int size = l < L ? padded(count(l), ep) : 0;
+        int total;
+        const int incl = block_inclusive_scan(size, s_scan, &total);
+        if (l < L) s_offsets[sh + l + 1] = carry + incl;
+        carry += total;
+    }
+    __syncthreads();
+    if ((FMT == kFmtNvfp4 || FMT == kFmtMxfp4) && threadIdx.x < kWarp) scan_scale_tiles(s_offsets, G, s_tiles, &s_tiles_end);
+    __syncthreads();
 }
 
-template <int FMT, typename T>
+// ---- larger rounds: count, groups ------------------------------------------------------------------------------
+// Every block: a W-lane segment per token (W a power of two >= K, lane k = choice k), validity with shuffles (bad
+// choices reported and skipped), each valid choice's position in its expert's group from an atomic on the
+// histogram (counters C_HIST, which local_groups re-arms), -1 for the others.
+__device__ void local_count(const EPParams& ep, const DispatchArgs& a) {
+    const int E = static_cast<int>(ep.n_experts), K = static_cast<int>(ep.top_k), L = static_cast<int>(ep.n_local);
+    const int rank = static_cast<int>(ep.rank), N = a.num_tokens, lane = threadIdx.x % kWarp;
+    int* hist = ep.counters() + C_HIST;
+    int* pos = local_choice_pos(ep);
+    const int W = K <= 1 ? 1 : 1 << (32 - __clz(K - 1)), per_warp = kWarp / W, seg = lane / W, k = lane % W;
+    const int warps = static_cast<int>(gridDim.x * (blockDim.x / kWarp));
+    for (int t0 = static_cast<int>((blockIdx.x * blockDim.x + threadIdx.x) / kWarp) * per_warp; t0 < N;
+         t0 += warps * per_warp) {
+        const int t = t0 + seg;
+        const bool choice = t < N && k < K;
+        const int e = choice ? a.topk_ids[static_cast<long long>(t) * K + k] : -1;
+        const bool in_range = choice && e >= 0 && e < E;
+        const bool repeat = warp_repeats_earlier(e, k, K, W);
+        if (choice && !in_range) report_error(ep, kStatusBadExpertId, K_DISPATCH_SEND, e, t);
+        const bool local_ok = !ep.skip_a2a || (in_range && e / L == rank);
+        if (in_range && repeat && local_ok) report_error(ep, kStatusDuplicateExpert, K_DISPATCH_SEND, e, t);
+        if (choice) pos[static_cast<long long>(t) * K + k] = in_range && !repeat && local_ok ? atomicAdd(hist + e, 1) : -1;
+    }
+}
+
+// One block: the groups from the histogram, the outputs' offsets (row_offsets, expert_ids, fp4 scales_offsets), the
+// counts for the placement, and the histogram zeroed for the next round (the protocol's notify expects it so).
+template <int FMT>
+__device__ void local_groups(const EPParams& ep, const DispatchArgs& a, char* smem) {
+    const int L = static_cast<int>(ep.n_local), G = static_cast<int>(ep.n_groups), sh = static_cast<int>(ep.shared);
+    const int first = static_cast<int>(ep.rank) * L;
+    unsigned* s_offsets = reinterpret_cast<unsigned*>(smem);
+    unsigned* s_tiles = s_offsets + align_up(4 * (ep.n_groups + 1)) / 4;
+    int* s_count = reinterpret_cast<int*>(s_tiles + align_up(4 * ep.n_groups) / 4);
+    int* hist = ep.counters() + C_HIST;
+    for (int l = threadIdx.x; l < L; l += blockDim.x) {
+        const int n = hist[first + l];
+        s_count[l] = n;
+        local_counts(ep)[l] = n;
+    }
+    __syncthreads();
+    for (int l = threadIdx.x; l < L; l += blockDim.x) hist[first + l] = 0;
+    const int shared_n = sh ? shared_hi(ep, a.num_tokens) - shared_lo(ep, a.num_tokens) : 0;
+    local_scan_groups<FMT>(ep, shared_n, [&](int l) { return s_count[l]; }, s_offsets, s_tiles);
+    for (int g = threadIdx.x; g <= G; g += blockDim.x) {
+        a.row_offsets[g] = s_offsets[g];
+        if (g < G) {
+            a.expert_ids[g] = sh ? (g == 0 ? L : g - 1) : g;
+            if ((FMT == kFmtNvfp4 || FMT == kFmtMxfp4) && a.scales_offsets)
+                a.scales_offsets[g] = s_tiles[g] - s_offsets[g] / kScaleTileRows;
+        }
+    }
+}
+
+// ---- placement (both) ------------------------------------------------------------------------------------------
+// kBook: a small round, the book built here; otherwise the layout local_count / local_groups left (row_offsets,
+// local_counts, local_choice_pos).
+template <int FMT, typename T, bool kBook>
 __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* smem) {
     const int K = static_cast<int>(ep.top_k), H = static_cast<int>(ep.hidden), G = static_cast<int>(ep.n_groups);
     const int L = static_cast<int>(ep.n_local), rank = static_cast<int>(ep.rank);
@@ -32,71 +121,66 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
     constexpr bool kTiled = FMT == kFmtNvfp4 || FMT == kFmtMxfp4;
     using S = typename FormatTraits<FMT>::Scale;
 
-    // Items (token, chunk of whole 256-value spans), one warp each, consecutive items on different blocks (3.).
-    const int n_spans = (H + kWarpSpan - 1) / kWarpSpan;
-    const long long grid_warps = static_cast<long long>(gridDim.x) * n_warps;
-    const int spans_per_chunk = static_cast<int>(max(chunk_units(N, n_spans, 1, grid_warps),
-                                                     static_cast<long long>((n_spans + kMaxChunks - 1) / kMaxChunks)));
-    const int n_chunks = (n_spans + spans_per_chunk - 1) / spans_per_chunk;
-
-    // 1. The book (block 0 reports bad choices), the groups' rows and scale tiles.
-    const SmallBook book = small_book(ep, smem);
-    small_bookkeeping(ep, a, book, /*report=*/blockIdx.x == 0);
-    unsigned* s_offsets = reinterpret_cast<unsigned*>(smem + small_book_bytes(ep));
-    unsigned* s_tiles = s_offsets + align_up(4 * (ep.n_groups + 1)) / 4;
-    __shared__ int s_scan[32];
-    __shared__ unsigned s_tiles_end;
+    // 1. The layout: the book (block 0 reports bad choices) or the row counts; the groups' rows and scale tiles.
     __shared__ int s_shared_lo, s_shared_n;
     if (threadIdx.x == 0) {
         s_shared_lo = sh ? shared_lo(ep, N) : 0;
         s_shared_n = sh ? shared_hi(ep, N) - shared_lo(ep, N) : 0;
     }
-    __syncthreads();
-    {
-        int carry = sh ? padded(s_shared_n, ep) : 0;
-        if (threadIdx.x == 0) s_offsets[0] = 0;
-        for (int l0 = 0; l0 < L; l0 += blockDim.x) {
-            const int l = l0 + threadIdx.x;
-            const int size = l < L ? padded(book.hist[rank * L + l], ep) : 0;
-            int total;
-            const int incl = block_inclusive_scan(size, s_scan, &total);
-            if (l < L) s_offsets[sh + l + 1] = carry + incl;
-            carry += total;
-        }
-        if (sh && threadIdx.x == 0) s_offsets[1] = padded(s_shared_n, ep);
+    SmallBook book{};
+    char* layout = smem;
+    if constexpr (kBook) {
+        book = small_book(ep, smem);
+        small_bookkeeping(ep, a, book, /*report=*/blockIdx.x == 0);  // ends with a barrier
+        layout = smem + small_book_bytes(ep);
     }
-    __syncthreads();
-    if (kTiled && threadIdx.x < kWarp) scan_scale_tiles(s_offsets, G, s_tiles, &s_tiles_end);
-    __syncthreads();
-    if (blockIdx.x == 0) {
-        for (int g = threadIdx.x; g <= G; g += blockDim.x) {
-            a.row_offsets[g] = s_offsets[g];
-            if (g < G) {
-                a.expert_ids[g] = sh ? (g == 0 ? L : g - 1) : g;
-                if (kTiled && a.scales_offsets) a.scales_offsets[g] = s_tiles[g] - s_offsets[g] / kScaleTileRows;
+    unsigned* s_offsets = reinterpret_cast<unsigned*>(layout);
+    unsigned* s_tiles = s_offsets + align_up(4 * (ep.n_groups + 1)) / 4;
+    int* s_count = reinterpret_cast<int*>(s_tiles + align_up(4 * ep.n_groups) / 4);  // (larger rounds)
+    if constexpr (kBook) {
+        local_scan_groups<FMT>(ep, s_shared_n, [&](int l) { return book.hist[rank * L + l]; }, s_offsets, s_tiles);
+        if (blockIdx.x == 0) {
+            for (int g = threadIdx.x; g <= G; g += blockDim.x) {
+                a.row_offsets[g] = s_offsets[g];
+                if (g < G) {
+                    a.expert_ids[g] = sh ? (g == 0 ? L : g - 1) : g;
+                    if (kTiled && a.scales_offsets) a.scales_offsets[g] = s_tiles[g] - s_offsets[g] / kScaleTileRows;
+                }
             }
         }
-        if (threadIdx.x == 0) a.msg_count[0] = book.n_msgs[0];
+    } else {
+        for (int g = threadIdx.x; g <= G; g += blockDim.x) s_offsets[g] = a.row_offsets[g];
+        for (int l = threadIdx.x; l < L; l += blockDim.x) s_count[l] = local_counts(ep)[l];
+        __syncthreads();
+        __shared__ unsigned s_tiles_end;
+        if (kTiled && threadIdx.x < kWarp) scan_scale_tiles(s_offsets, G, s_tiles, &s_tiles_end);
+        __syncthreads();
     }
+    auto count_of = [&](int l) { return kBook ? book.hist[rank * L + l] : s_count[l]; };
 
     // 2. Padding, a group per block.
     for (int g = blockIdx.x; g < G; g += gridDim.x) {
-        const unsigned used = s_offsets[g] + (sh && g == 0 ? s_shared_n : book.hist[rank * L + g - sh]);
+        const unsigned used = s_offsets[g] + (sh && g == 0 ? s_shared_n : count_of(g - sh));
         pad_group<FMT>(ep, a, s_offsets, s_tiles, g, used, false);
     }
 
-    // 3. Items: encode the chunk once (staging; bf16 from bf16 goes straight from x) and store it to each row of the
-    // token (and its shared-expert row), with its scales; the chunk 0 item writes the rows' metadata and the
-    // token's message.
+    // 3. Items (token, chunk of whole 256-value spans), one warp each, consecutive items on different blocks: encode
+    // the chunk once (staging; bf16 from bf16 goes straight from x) and store it to each row of the token (and its
+    // shared-expert row), with its scales; the chunk 0 item writes the rows' metadata.
+    const int n_spans = (H + kWarpSpan - 1) / kWarpSpan;
+    const long long grid_warps = static_cast<long long>(gridDim.x) * n_warps;
+    const int spans_per_chunk = static_cast<int>(max(chunk_units(N, n_spans, 1, grid_warps),
+                                                     static_cast<long long>((n_spans + kMaxChunks - 1) / kMaxChunks)));
+    const int n_chunks = (n_spans + spans_per_chunk - 1) / spans_per_chunk;
     const long long pb = ep.payload_bytes;
     const int sb = static_cast<int>(ep.scale_bytes);
     const long long staging = align_up(pb) + align_up(sb);
-    uint8_t* s_payload = reinterpret_cast<uint8_t*>(smem + local_fixed_bytes(ep)) + warp * staging;
+    uint8_t* s_payload = reinterpret_cast<uint8_t*>(smem + local_layout_bytes(ep, kBook)) + warp * staging;
     uint8_t* s_scales = s_payload + align_up(pb);
-    const int mask_stride = book_mask_words(ep);
     char* tokens = ep.local(ep.off_tokens);
+    int* pos_out = local_choice_pos(ep);
     using Vectors = WarpVectors<4>;
-    // (N * n_chunks is small: N <= small_batch_tokens, and chunks split a token only while warps outnumber tokens)
+    // (N * n_chunks fits an int: chunks split a token only while warps outnumber tokens)
     for (int item = warp * static_cast<int>(gridDim.x) + static_cast<int>(blockIdx.x); item < N * n_chunks;
          item += static_cast<int>(grid_warps)) {
         const int t = item / n_chunks, ch = item % n_chunks;
@@ -108,9 +192,20 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
                                                 int(sizeof(S)) * (c_hi / max(1, FormatTraits<FMT>::kBlock)));
         const T* x_row = static_cast<const T*>(a.x) + static_cast<long long>(t) * H;
         const bool shared = sh && t >= s_shared_lo && t < s_shared_lo + s_shared_n;
-        const bool any = (book.words[rank * mask_stride + t / 32] >> (t % 32)) & 1u;  // a row of an expert here
-        if (!any && ch == 0 && lane < K) local_choice_rows(ep)[t * K + lane] = -1;  // for the one-rank combine
-        if (!any && !shared) continue;
+        // lane k: choice k's position in its group (-1: none); larger rounds: local_count's
+        int p = -1, e = 0;
+        if (lane < K) {
+            if constexpr (kBook) {
+                e = book.expert[t * K + lane];
+                p = e != kNoExpert ? book.pos[t * K + lane] : -1;
+            } else {
+                p = pos_out[static_cast<long long>(t) * K + lane];
+                if (p >= 0) e = a.topk_ids[static_cast<long long>(t) * K + lane];
+            }
+        }
+        const unsigned rows = __ballot_sync(0xffffffffu, p >= 0);
+        if (kBook && ch == 0 && lane < K) pos_out[t * K + lane] = p;  // for the one-rank combine
+        if (!rows && !shared) continue;
         const uint8_t* payload;
         if constexpr (FMT == kFmtBf16 && sizeof(T) == 2) {
             payload = reinterpret_cast<const uint8_t*>(x_row);
@@ -119,15 +214,8 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
             payload = s_payload;
         }
         // the token's rows (lane k: choice k's row, or -1) and its row in the shared group (which starts at row 0)
-        int row = -1, g = -1;
-        if (lane < K) {
-            const int e = book.expert[t * K + lane];
-            if (e != kNoExpert) {
-                g = sh + e - rank * L;
-                row = static_cast<int>(s_offsets[g]) + book.pos[t * K + lane];
-            }
-        }
-        const unsigned rows = __ballot_sync(0xffffffffu, row >= 0);
+        const int g = sh + e - rank * L;
+        const int row = p >= 0 ? static_cast<int>(s_offsets[g]) + p : -1;
         const int srow = t - s_shared_lo;
         for (long long b = p_lo; b < p_hi; b += Vectors::kBytes) {
             const int n = static_cast<int>(min(static_cast<long long>(Vectors::kBytes), p_hi - b));
@@ -149,28 +237,11 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
             if (shared) place_row_scales<FMT>(ep, a, srow, srow, s_scales, lane, kWarp, b_lo, b_hi);
         }
         if (ch == 0) {
-            if (lane < K) local_choice_rows(ep)[t * K + lane] = row;
-            const float w = lane < K && a.topk_weights ? a.topk_weights[static_cast<long long>(t) * K + lane] : 0.f;
             if (row >= 0) {
                 a.src_info[2LL * row] = t;
                 a.src_info[2LL * row + 1] = lane;
                 a.row_src[row] = rank;
-                a.row_weight[row] = w;
-            }
-            if (rows) {  // the token's message: the i-th token with a row here (the book's token mask)
-                const unsigned* words = book.words + rank * mask_stride;
-                int before = 0;
-                for (int j = lane; j < t / 32; j += kWarp) before += __popc(words[j]);
-                const long long mi = __reduce_add_sync(0xffffffffu, before) +  // source 0: the only one
-                                     __popc(words[t / 32] & ((1u << (t % 32)) - 1u));
-                if (lane < K) {
-                    a.msg_rows[mi * K + lane] = row;
-                    if (row >= 0) msg_weights(ep, a.msg_rows)[mi * K + lane] = w;
-                }
-                if (lane == 0) {
-                    a.msg_token[mi] = t;
-                    a.msg_j[mi] = 0;
-                }
+                a.row_weight[row] = a.topk_weights ? a.topk_weights[static_cast<long long>(t) * K + lane] : 0.f;
             }
             if (shared && lane == 0) {
                 a.src_info[2LL * srow] = t;

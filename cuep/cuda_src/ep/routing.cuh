@@ -67,10 +67,10 @@ __device__ __forceinline__ int shared_hi(const EPParams& ep, int n) {
     return static_cast<int>((ep.ar_index + 1) * n / ep.ar_size);
 }
 
-// A one-rank round (dispatch/local.cuh, combine/local.cuh): the row of each choice of the round's [N, K] table
-// (-1: none), int32 [T, K] in the rank-private scratch (the protocol's choice slots, which a one-rank round does not
-// use). The one-rank dispatch writes it, the one-rank combine of the same round reads it.
-__device__ __forceinline__ int* local_choice_rows(const EPParams& ep) {
+// A one-rank round (dispatch/local.cuh, combine/local.cuh): each choice's position in its group (its row is the
+// group's first row + it; -1: no row), int32 [T, K] in the rank-private scratch (the protocol's choice slots, which
+// a one-rank round does not use). The one-rank dispatch writes it, the one-rank combine of the round reads it.
+__device__ __forceinline__ int* local_choice_pos(const EPParams& ep) {
     return reinterpret_cast<int*>(ep.local(ep.off_scratch));
 }
 
