@@ -36,10 +36,11 @@ with the weights given at dispatch (timed after an untimed bf16 dispatch). For e
   ``[N, H]``) and ``cuep.ops.fused_silu`` (h ``[N K, 2H]`` bf16, E groups), the ops with ``out=`` given. The
   untimed work between timed calls (combine's dispatch) is queued behind the gate too.
 * ``--phases`` (at ``--phases-n``, default 128): where a decode round's microseconds go. Each op is timed as
-  consecutive launches with a CUDA event between them: fused (one launch), halves (``*_async`` then ``*_wait``)
-  and phases (notify, send, receive as three launches of the same kernel with one phase bit each, as cuep runs
-  ranks that share a GPU; built from ``cuep.ep``'s private launch helpers like ``tests/test_ep_gpu.py``'s
-  ``rank0_alone``; the kernels have no switch for it).
+  consecutive launches with a CUDA event between them: fused and halves (``*_async`` then ``*_wait``) as cuep
+  runs them (on one rank: the one-rank kernels, no protocol), and phases: the protocol's notify, send, receive as
+  three launches of the same kernel with one phase bit each, as cuep runs ranks that share a GPU (built from
+  ``cuep.ep``'s private launch helpers like ``tests/test_ep_gpu.py``'s ``rank0_alone``; the kernels have no
+  switch for it; the combine phases after the protocol's dispatch phases).
 
 Checks: before timing, each (format, N)'s dispatch must give the row count the routing asks for, and every series
 ends with ``buf.check()`` (device errors, timeouts). Output: progress on stderr; the host-cost table of the other
@@ -324,6 +325,17 @@ class _Case:
             self.combine(0)
             self.buf.synchronize()
         return "ok" if got == want else f"dispatch gave {got} rows, the routing asks for {want}"
+
+    def protocol_dispatch(self, i: int):
+        """The untimed dispatch before a phase-split combine, whose launches read the protocol's combine handle: a
+        ``cuep.dispatch`` (for the handle object; on one rank it takes the one-rank kernels, which write no protocol
+        handle), then the protocol's three dispatch phases over the same outputs."""
+        from .. import ep as ep_mod
+
+        self.dispatch(i)
+        launch = _dispatch_phase_launcher(self.buf)
+        for bit in (ep_mod.PHASE_NOTIFY, ep_mod.PHASE_SEND, ep_mod.PHASE_RECV):
+            launch(*self.args(i), bit)
 
     # -- splits of one op into consecutive launches (--phases) --
     def dispatch_splits(self) -> dict[str, list[tuple[str, Callable[[int], object]]]]:
@@ -713,6 +725,8 @@ def _phases(case, do_dispatch, do_combine, dev, kw, fmt, n, doc) -> None:
     for op, splits, setup in todo:
         for split in SPLITS:
             launches = splits[split]
+            if op == "combine" and split == "phases":
+                setup = case.protocol_dispatch  # the combine phases are the protocol's: so must its handle be
             if op == "dispatch" and split == "phases":
                 for _, fn in launches:
                     fn(0)
