@@ -229,10 +229,9 @@ def _dispatch_launch(buf: Buffer, staged: bool) -> tuple[int, int]:
     import cupy
 
     cfg = buf.cfg
-    a16 = lambda n: -(-n // 16) * 16  # noqa: E731  (the kernel aligns every part to 16 bytes)
-    tally = a16(4 * cfg.n_source_ranks * (cfg.n_experts + 2))  # tally rows: E counts, tokens, messages
-    fixed = max(tally + a16(4 * cfg.n_experts), _small_book_bytes(cfg), _local_layout_bytes(cfg))
-    staging = a16(cfg.payload_bytes) + a16(cfg.message.scale_bytes) if staged else 0
+    tally = _a16(4 * cfg.n_source_ranks * (cfg.n_experts + 2))  # tally rows: E counts, tokens, messages
+    fixed = max(tally + _a16(4 * cfg.n_experts), _small_book_bytes(cfg), _local_layout_bytes(cfg))
+    staging = _a16(cfg.payload_bytes) + _a16(cfg.message.scale_bytes) if staged else 0
     limit = cupy.cuda.Device(buf._ranks[0].device).attributes["MaxSharedMemoryPerBlockOptin"] - 2048
     warps = _THREADS // 32
     if staging:
@@ -252,10 +251,20 @@ def _local_layout_bytes(cfg) -> int:
     larger round's the same without the book, with the local experts' row counts [L]. 0 for several ranks."""
     if cfg.n_ranks != 1:
         return 0
-    a16 = lambda n: -(-n // 16) * 16  # noqa: E731
-    groups = a16(4 * (cfg.n_groups + 1)) + a16(4 * cfg.n_groups)
+    groups = _a16(4 * (cfg.n_groups + 1)) + _a16(4 * cfg.n_groups)
     small = _small_book_bytes(cfg) + groups if cfg.small_batch_tokens else 0
-    return max(small, groups + a16(4 * cfg.n_local_experts))
+    return max(small, _local_groups_bytes(cfg))
+
+
+def _local_groups_bytes(cfg) -> int:
+    """Shared memory of a larger one-rank round's layout (local_groups, and the placement before its staging): the
+    groups' first rows [G + 1] and first scale tiles [G], the local experts' row counts [L]."""
+    return _a16(4 * (cfg.n_groups + 1)) + _a16(4 * cfg.n_groups) + _a16(4 * cfg.n_local_experts)
+
+
+def _a16(n: int) -> int:
+    """``n`` rounded up to 16 bytes: the kernels align every part of their shared memory so."""
+    return -(-n // 16) * 16
 
 
 def _small_book_bytes(cfg) -> int:
@@ -266,9 +275,8 @@ def _small_book_bytes(cfg) -> int:
     D, K, E = cfg.small_batch_tokens, cfg.top_k, cfg.n_experts
     if not D:
         return 0
-    a16 = lambda n: -(-n // 16) * 16  # noqa: E731
     W = -(-D // 32)
-    return 2 * a16(2 * D * K) + a16(4 * 8 * W) + a16(4 * D) + a16(4 * E * W) + a16(4 * E) + 4 * 8
+    return 2 * _a16(2 * D * K) + _a16(4 * 8 * W) + _a16(4 * D) + _a16(4 * E * W) + _a16(4 * E) + 4 * 8
 
 
 def _blocks(buf: Buffer, threads: int) -> int:
@@ -321,9 +329,8 @@ class _Host:
         # a one-rank group's fused calls take the one-rank kernels (one launch up to `small` tokens, else three;
         # larger quantized rounds keep the protocol: dispatch.cu says why)
         self.one_rank, self.small = cfg.n_ranks == 1, cfg.small_batch_tokens
-        a16 = lambda n: -(-n // 16) * 16  # noqa: E731
-        self.groups_smem = a16(4 * (cfg.n_groups + 1)) + a16(4 * cfg.n_groups) + a16(4 * cfg.n_local_experts)
-        self.offsets_smem = a16(4 * (cfg.n_groups + 1))  # the one-rank combine's copy of row_offsets
+        self.groups_smem = _local_groups_bytes(cfg)
+        self.offsets_smem = _a16(4 * (cfg.n_groups + 1))  # the one-rank combine's copy of row_offsets
 
     def order(self, buf: Buffer, phases: int) -> list:
         o = self.orders.get(phases)

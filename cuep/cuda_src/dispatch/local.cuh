@@ -184,12 +184,10 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
     for (int item = warp * static_cast<int>(gridDim.x) + static_cast<int>(blockIdx.x); item < N * n_chunks;
          item += static_cast<int>(grid_warps)) {
         const int t = item / n_chunks, ch = item % n_chunks;
-        const int c_lo = ch * spans_per_chunk * kWarpSpan, c_hi = min(H, c_lo + spans_per_chunk * kWarpSpan);
-        const bool last = ch == n_chunks - 1;
-        const long long p_lo = payload_offset<FMT>(c_lo), p_hi = last ? pb : payload_offset<FMT>(c_hi);
-        const int s_lo = FMT == kFmtBf16 ? 0 : int(sizeof(S)) * (c_lo / max(1, FormatTraits<FMT>::kBlock));
-        const int s_hi = FMT == kFmtBf16 ? 0 : (last ? static_cast<int>(align_up(sb)) :
-                                                int(sizeof(S)) * (c_hi / max(1, FormatTraits<FMT>::kBlock)));
+        const ChunkBytes<FMT> cb(ch, spans_per_chunk, n_chunks, H, pb, sb);
+        const int c_lo = cb.c_lo, c_hi = cb.c_hi, s_lo = cb.s_lo, s_hi = cb.s_hi;
+        const bool last = cb.last;
+        const long long p_lo = cb.p_lo, p_hi = cb.p_hi;
         const T* x_row = static_cast<const T*>(a.x) + static_cast<long long>(t) * H;
         const bool shared = sh && t >= s_shared_lo && t < s_shared_lo + s_shared_n;
         // lane k: choice k's position in its group (-1: none); larger rounds: local_count's

@@ -9,6 +9,28 @@
 
 namespace cuep {
 
+// Chunk `ch` of `n_chunks` of a row (chunks of `spans` whole 256-value spans): its values [c_lo, c_hi) and its bytes
+// of the payload [p_lo, p_hi) and of the row's scales [s_lo, s_hi) (16- and 8-byte aligned; the last chunk takes
+// the rest of both). Shared by the protocol's send and the one-rank placement (local.cuh).
+template <int FMT>
+struct ChunkBytes {
+    int c_lo, c_hi;
+    bool last;
+    long long p_lo, p_hi;
+    int s_lo, s_hi;
+    __device__ __forceinline__ ChunkBytes(int ch, int spans, int n_chunks, int H, long long pb, int sb) {
+        using S = typename FormatTraits<FMT>::Scale;
+        c_lo = ch * spans * kWarpSpan;
+        c_hi = min(H, c_lo + spans * kWarpSpan);
+        last = ch == n_chunks - 1;
+        p_lo = payload_offset<FMT>(c_lo);
+        p_hi = last ? pb : payload_offset<FMT>(c_hi);
+        s_lo = FMT == kFmtBf16 ? 0 : int(sizeof(S)) * (c_lo / max(1, FormatTraits<FMT>::kBlock));
+        s_hi = FMT == kFmtBf16 ? 0 : (last ? static_cast<int>(align_up(sb)) :
+                                      int(sizeof(S)) * (c_hi / max(1, FormatTraits<FMT>::kBlock)));
+    }
+};
+
 // Encode values [c_lo, c_hi) of the row x_row (c_lo a multiple of 256; c_hi too, or H) into a warp's staging:
 // payload bytes at their offsets in the whole row, scales as the row's plain scale bytes. All 32 lanes; ends with
 // __syncwarp. Four spans per step while they last (4 loads in flight per lane: one span at a time left the encode
@@ -133,13 +155,10 @@ __device__ void phase_send(const EPParams& ep, const DispatchArgs& a, int round,
     for (int item = warp * n_senders + blockIdx.x - first_sender; item < a.num_tokens * n_chunks;
          item += n_senders * n_warps) {
         const int t = item / n_chunks, ch = item % n_chunks;
-        const int c_lo = ch * spans_per_chunk * kWarpSpan, c_hi = min(H, c_lo + spans_per_chunk * kWarpSpan);
-        const bool last = ch == n_chunks - 1;
-        // the chunk's bytes of the payload and of the per-row scales (16- and 8-byte aligned)
-        const long long p_lo = payload_offset<FMT>(c_lo), p_hi = last ? pb : payload_offset<FMT>(c_hi);
-        const int s_lo = FMT == kFmtBf16 ? 0 : int(sizeof(S)) * (c_lo / max(1, FormatTraits<FMT>::kBlock));
-        const int s_hi = FMT == kFmtBf16 ? 0 : (last ? static_cast<int>(align_up(sb)) :
-                                                int(sizeof(S)) * (c_hi / max(1, FormatTraits<FMT>::kBlock)));
+        const ChunkBytes<FMT> cb(ch, spans_per_chunk, n_chunks, H, pb, sb);
+        const int c_lo = cb.c_lo, c_hi = cb.c_hi, s_lo = cb.s_lo, s_hi = cb.s_hi;
+        const bool last = cb.last;
+        const long long p_lo = cb.p_lo, p_hi = cb.p_hi;
         const T* x_row = static_cast<const T*>(a.x) + static_cast<long long>(t) * H;
         // bf16 input goes out as it is: the chunk's first 2 KiB are loaded before the top-k row, so the two loads
         // (both cold in a decode round) are in flight together instead of one after the other
