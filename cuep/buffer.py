@@ -64,6 +64,7 @@ class _Rank:
     combined: object = None
     combined_unreduced: object = None
     node: object = None         # cuep.internode.NodeState with n_nodes > 1 (mem is then None)
+    err_status: object = None   # memoryview of err_host: its status word read as a Python int (Buffer.check)
 
     @property
     def base(self) -> int:
@@ -96,6 +97,8 @@ class Buffer:
     of the same kind on this buffer. Memory is reported (log line) before it is allocated. :meth:`close` (also
     run at interpreter exit) unmaps the peers' memory and frees this process's.
     """
+
+    _closed = False  # set by close(); a class default so every call reads one attribute
 
     def __init__(self, group: Group, cfg: EPConfig, *, timeout_s: float = 5.0, num_sms: int | None = None):
         import cupy
@@ -227,7 +230,8 @@ class Buffer:
             S = T = 0
         return _Rank(
             rank=rank, device=dev, mem=mem, params=None,
-            err_host=err, err_host_ptr=dptr, tokens=tokens, scales=scales,
+            err_host=err, err_host_ptr=dptr, err_status=memoryview(err).cast("B").cast("i"), tokens=tokens,
+            scales=scales,
             row_offsets=cupy.zeros(G + 1, dtype=cupy.uint32), expert_ids=cupy.zeros(G, dtype=cupy.int32),
             scales_offsets=cupy.zeros(G, dtype=cupy.uint32) if cfg.fmt.swizzled_scales else None,
             src_info=cupy.full((cfg.capacity, 2), -1, dtype=cupy.int32),
@@ -267,10 +271,10 @@ class Buffer:
     @property
     def closed(self) -> bool:
         """True once :meth:`close` has run: the memory is freed and every call on the buffer raises."""
-        return getattr(self, "_closed", False)
+        return self._closed
 
     def _check_open(self) -> None:
-        if self.closed:
+        if self._closed:
             raise RuntimeError("this cuep.Buffer was closed (buf.close()), its memory is freed; create a new "
                                "cuep.Buffer(group, cfg) for more rounds")
 
@@ -322,7 +326,7 @@ class Buffer:
         arrive; :class:`EPError` names it). Raises ``RuntimeError`` after :meth:`close`."""
         self._check_open()
         for r in self._ranks:
-            if not r.err_host[0]:  # the status word: nothing more to read while it is 0 (every call reads it)
+            if not r.err_status[0]:  # the status word: nothing more to read while it is 0 (every call reads it)
                 continue
             status, kernel, expert, src = (int(v) for v in r.err_host)
             if status:

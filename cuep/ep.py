@@ -41,16 +41,17 @@ _F32 = np.dtype(np.float32)
 _I32 = np.dtype(np.int32)
 
 _cupy = None
+_ND = None  # cupy.ndarray, bound with the module by _cp()
 
 
 def _cp():
     """The cupy module (imported on first use, so ``import cuep`` loads no CUDA library; an ``import`` statement
     per call would cost a microsecond)."""
-    global _cupy
+    global _cupy, _ND
     if _cupy is None:
         import cupy
 
-        _cupy = cupy
+        _cupy, _ND = cupy, cupy.ndarray
     return _cupy
 
 
@@ -141,7 +142,11 @@ def _check_array(a, name: str, device: int, dtypes, ndim: int, layout: str = "",
     a misaligned address would be a fatal device fault, not an exception).
 
     O(1) host work: attributes CuPy stores (the memory pointer's device and address, the contiguity flag), no
-    objects built unless a check fails."""
+    objects built unless a check fails; a right argument passes the first two tests (the host cost of a call)."""
+    if type(a) is _ND and a.ndim == ndim and a.dtype in dtypes and a._c_contiguous:
+        mem = a.data
+        if mem.device_id == device and not mem.ptr % align:
+            return
     if not isinstance(a, _cp().ndarray):
         if isinstance(a, np.ndarray):
             raise TypeError(f"{name} is a numpy.ndarray (host memory); pass a CuPy array on GPU {device}: "
@@ -308,8 +313,8 @@ class _Host:
     prepared launches (:class:`cuep._kernels.PreparedLaunch`) per (rank, kernel, shared memory)."""
 
     __slots__ = ("names", "orders", "launches", "hidden", "top_k", "max_tokens", "capacity", "fmt", "cdt",
-                 "combine_suffix", "where", "views", "one_rank", "small", "groups_smem",
-                 "offsets_smem")
+                 "combine_suffix", "where", "views", "one_rank", "small",
+                 "offsets_smem", "results", "plans", "combine_names")
 
     def __init__(self, buf: Buffer):
         cfg = buf.cfg
@@ -326,11 +331,17 @@ class _Host:
         self.cdt = _bf16() if cfg.combine_dtype == "bfloat16" else _F32
         self.combine_suffix = "bf16" if cfg.combine_dtype == "bfloat16" else "f32"
         self.where = f"(cfg.combine_dtype={cfg.combine_dtype!r})"
-        # a one-rank group's fused calls take the one-rank kernels (one launch up to `small` tokens, else three;
+        # a one-rank group's fused calls take the one-rank kernels (a small round in any format, a larger bf16 one;
         # larger quantized rounds keep the protocol: dispatch.cu says why)
         self.one_rank, self.small = cfg.n_ranks == 1, cfg.small_batch_tokens
-        self.groups_smem = _local_groups_bytes(cfg)
         self.offsets_smem = _a16(4 * (cfg.n_groups + 1))  # the one-rank combine's copy of row_offsets
+        # a Dispatched's first fields per rank (its persistent outputs and rank), the launches of each dispatch
+        # route (_dispatch_plan), the combine kernel after a protocol / one-rank dispatch
+        self.results = [(r.tokens, r.scales, r.row_offsets, r.expert_ids, r.src_info, r.scales_offsets, r.rank)
+                        for r in buf._ranks]
+        self.plans: dict = {}
+        self.combine_names = {local: f"combine.cu:cuep_combine_{'local_' if local else ''}{self.combine_suffix}"
+                              for local in (False, True)}
 
     def order(self, buf: Buffer, phases: int) -> list:
         o = self.orders.get(phases)
@@ -360,14 +371,16 @@ def _combine_fixed(r) -> dict:
 
 
 def _prepared(buf: Buffer, i: int, name: str, threads: int, smem: int):
-    """(the prepared launch of kernel ``file.cu:name`` for local rank ``i``, the rank's fixed pointer values in
-    order): made on first use on the rank's device (the current one), then reused by every call."""
+    """The prepared launch of kernel ``file.cu:name`` for local rank ``i``, made on first use on the rank's device
+    (the current one), then reused by every call: the rank's EPParams and fixed arrays are packed once; a call
+    packs its own fields, at the head and the tail of the struct (``launch.launch_spans(grid, head, tail)``)."""
     host = _host(buf)
     key = (i, name, smem)
     hit = host.launches.get(key)
     if hit is not None:
         return hit
     from ._kernels import PreparedLaunch
+    from .params import span_struct
 
     r = buf._ranks[i]
     kind = "dispatch" if name.startswith("dispatch.cu:") else "combine"
@@ -381,8 +394,24 @@ def _prepared(buf: Buffer, i: int, name: str, threads: int, smem: int):
     fn = _kernel(name, smem)
     launch = PreparedLaunch(fn, threads, smem, dtype.itemsize, (0,), pack, offset)
     launch.write(dtype.fields["ep"][1], r.params.tobytes())
-    hit = host.launches[key] = (launch, tuple(fixed[n] for n in names[len(head):len(names) - len(tail)]))
-    return hit
+    launch.pack.pack_into(launch.raw, offset, *(fixed.get(n, 0) for n in names))
+    launch.set_spans(*span_struct(dtype, head), *span_struct(dtype, tail))
+    host.launches[key] = launch
+    return launch
+
+
+def _dispatch_plan(buf: Buffer, host: _Host, i: int, ph: int, src: str, route: int):
+    """The prepared launch of local rank ``i``'s dispatch of phases ``ph`` from ``src`` input by ``route``: 0 the
+    protocol's kernel; 1 a small one-rank round; 2 a larger one-rank bf16 round (cuda_src/dispatch/local.cuh).
+    Worked out once per key, then reused."""
+    key = (i, ph, src, route)
+    launch = host.plans.get(key)
+    if launch is None:
+        threads, smem = _dispatch_launch(buf, staged=host.fmt != "bf16" or src != "bf16")
+        kind = ("", "local_", "local_large_")[route]
+        launch = host.plans[key] = _prepared(buf, i, f"dispatch.cu:cuep_dispatch_{kind}{host.fmt}_from_{src}",
+                                             threads, smem)
+    return launch
 
 
 def _dispatch_outputs(r) -> dict:
@@ -475,12 +504,8 @@ def _dispatch(buf: Buffer, x, topk_ids, topk_weights, global_scale: float, phase
         _validate_ids(buf, ids)
     host = _host(buf)
     bf16 = _bf16()
-    results = []
-    for i, r in enumerate(buf._ranks):
-        results.append(Dispatched(
-            tokens=r.tokens, scales=r.scales, row_offsets=r.row_offsets, expert_ids=r.expert_ids,
-            src_info=r.src_info, scales_offsets=r.scales_offsets, rank=r.rank, num_tokens=xs[i].shape[0],
-            _topk_ids=ids[i], _has_weights=ws[i] is not None, _buffer=buf))
+    # positional (the field order of Dispatched): tokens .. rank, num_tokens, _topk_ids, _has_weights, _buffer
+    results = [Dispatched(*host.results[i], xs[i].shape[0], ids[i], ws[i] is not None, buf) for i in range(n)]
     # every launch of a call that sends and receives says so, so a rank's send and receive phases agree on it
     local_x = PHASE_LOCAL_X if (phases & PHASE_SEND and phases & PHASE_RECV) else 0
     if buf._ranks[0].node is not None:  # several nodes (one rank per process): cuep.internode
@@ -498,28 +523,19 @@ def _dispatch(buf: Buffer, x, topk_ids, topk_weights, global_scale: float, phase
             if r.device != dev:
                 runtime.setDevice(r.device)
                 dev = r.device
-            src = "bf16" if xs[i].dtype == bf16 else "f32"
-            threads, smem = _dispatch_launch(buf, staged=host.fmt != "bf16" or src != "bf16")
-            w = ws[i]
-            call = (xs[i].data.ptr, ids[i].data.ptr, 0 if w is None else w.data.ptr)
-            tail = (results[i].num_tokens, global_scale, ph | local_x)
-            small = results[i].num_tokens <= host.small and host.small
-            if host.one_rank and ph == _PHASES_ALL and (small or host.fmt == "bf16"):  # cuda_src/dispatch/local.cuh
-                buf._rounds["local"] = True  # no protocol: a small round in one launch, a larger bf16 one in three
-                if small:
-                    launch, fixed = _prepared(buf, i, f"dispatch.cu:cuep_dispatch_local_{host.fmt}_from_{src}",
-                                              threads, smem)
-                    launch(buf.num_sms, *call, *fixed, *tail)
-                    continue
-                for name, grid, size in (("local_count", buf.num_sms, 0),
-                                         (f"local_groups_{host.fmt}", 1, host.groups_smem),
-                                         (f"local_place_{host.fmt}_from_{src}", buf.num_sms, smem)):
-                    launch, fixed = _prepared(buf, i, f"dispatch.cu:cuep_dispatch_{name}", threads, size)
-                    launch(grid, *call, *fixed, *tail)
-                continue
-            launch, fixed = _prepared(buf, i, f"dispatch.cu:cuep_dispatch_{host.fmt}_from_{src}", threads, smem)
-            _before_launch(buf, "dispatch.cu")
-            launch(buf.num_sms, *call, *fixed, *tail)
+            x, w, num = xs[i], ws[i], results[i].num_tokens
+            src = "bf16" if x.dtype == bf16 else "f32"
+            route = 0  # the protocol; one rank (cuda_src/dispatch/local.cuh): a small round (1), a larger bf16 one
+            if host.one_rank and ph == _PHASES_ALL:  # (2), a larger quantized one: the protocol
+                route = 1 if (host.small and num <= host.small) else (2 if host.fmt == "bf16" else 0)
+            call = (x.data.ptr, ids[i].data.ptr, 0 if w is None else w.data.ptr)
+            tail = (num, global_scale, ph | local_x)
+            launch = host.plans.get((i, ph, src, route)) or _dispatch_plan(buf, host, i, ph, src, route)
+            if route:
+                buf._rounds["local"] = True
+            else:
+                _before_launch(buf, "dispatch.cu")  # after the plan: the first one compiles
+            launch.launch_spans(buf.num_sms, call, tail)
     finally:
         if dev != home:
             runtime.setDevice(home)
@@ -621,9 +637,9 @@ def dispatch_wait(pending):
             if r.device != dev:
                 runtime.setDevice(r.device)
                 dev = r.device
-            launch, fixed = _prepared(buf, i, f"dispatch.cu:cuep_dispatch_{host.fmt}_from_bf16", threads, smem)
+            launch = _prepared(buf, i, f"dispatch.cu:cuep_dispatch_{host.fmt}_from_bf16", threads, smem)
             _before_launch(buf, "dispatch.cu")
-            launch(buf.num_sms, 0, 0, 0, *fixed, d.num_tokens, 1.0, ph)
+            launch.launch_spans(buf.num_sms, (0, 0, 0), (d.num_tokens, 1.0, ph))
     finally:
         if dev != home:
             runtime.setDevice(home)
@@ -744,7 +760,7 @@ def _combine(buf: Buffer, expert_out, dispatched, topk_weights, residual, phases
     local = rounds["local"]
     if local and not phases & PHASE_RECV:
         phases = 0
-    name = f"combine.cu:cuep_combine_{'local_' if local else ''}{host.combine_suffix}"
+    name = host.combine_names[local]
     # every launch of a call that sends and receives says so: a partial-sum round with one destination rank then
     # finishes its tokens in the send half (combine/slots.cuh direct_out), and the receive half must agree
     one_call = PHASE_LOCAL_X if (phases & PHASE_SEND and phases & PHASE_RECV) else 0
@@ -767,11 +783,12 @@ def _combine(buf: Buffer, expert_out, dispatched, topk_weights, residual, phases
             smem = COMBINE_RING_BYTES if (ph & PHASE_SEND and ring and mode == MODE_PARTIAL) else 0
             if local:
                 smem = host.offsets_smem
-            launch, fixed = _prepared(buf, i, name, _THREADS, smem)
+            launch = host.launches.get((i, name, smem)) or _prepared(buf, i, name, _THREADS, smem)
             _before_launch(buf, "combine.cu")
             w, rs = ws[i], res[i]
-            launch(buf.num_sms, eos[i].data.ptr, *fixed, d._topk_ids.data.ptr, 0 if w is None else w.data.ptr,
-                   0 if rs is None else rs.data.ptr, outs[i].data.ptr, d.num_tokens, mode, ph | one_call)
+            launch.launch_spans(buf.num_sms, (eos[i].data.ptr,), (
+                d._topk_ids.data.ptr, 0 if w is None else w.data.ptr, 0 if rs is None else rs.data.ptr,
+                outs[i].data.ptr, d.num_tokens, mode, ph | one_call))
     finally:
         if dev != home:
             runtime.setDevice(home)

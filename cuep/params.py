@@ -116,6 +116,27 @@ def call_struct(dtype: np.dtype) -> tuple[struct.Struct, int, tuple[str, ...]]:
     return struct.Struct(fmt), dtype.fields["call"][1], args.names
 
 
+def span_struct(dtype: np.dtype, names: tuple[str, ...]) -> tuple[struct.Struct, int]:
+    """A ``struct.Struct`` packing the consecutive call fields ``names`` of a ``DispatchParams`` / ``CombineParams``
+    record (padding between them explicit; after the last one, up to the next field or the record's end) and the
+    record offset it packs at: a prepared launch packs only the fields that change per call."""
+    args = dtype["call"]
+    order = args.names
+    first = order.index(names[0])
+    if order[first:first + len(names)] != tuple(names):
+        raise ValueError(f"{names} are not consecutive fields of {order}")
+    nxt = first + len(names)
+    end = args.fields[order[nxt]][1] if nxt < len(order) else args.itemsize
+    start = pos = args.fields[names[0]][1]
+    fmt = "<"
+    for name in names:
+        ftype, off = args.fields[name][:2]
+        fmt += "x" * (off - pos) + _STRUCT_CODES[ftype]
+        pos = off + ftype.itemsize
+    fmt += "x" * (end - pos)
+    return struct.Struct(fmt), dtype.fields["call"][1] + start
+
+
 def pointer(a) -> int:
     """The device address of a CuPy array, or 0 for None (a nullptr in the kernel)."""
     return 0 if a is None else int(a.data.ptr)

@@ -128,3 +128,38 @@ def test_call_struct_packs_the_record_bytes(dtype):
     assert got["ep"].tobytes() == rec["ep"].tobytes()
     for n in names:
         assert got["call"][n][0] == rec["call"][n][0], n
+
+
+@pytest.mark.parametrize("dtype,head,tail", [
+    (params.DISPATCH_PARAMS_DTYPE, ("x", "topk_ids", "topk_weights"), ("num_tokens", "global_scale", "phases")),
+    (params.COMBINE_PARAMS_DTYPE, ("expert_out",), ("topk_ids", "topk_weights", "residual", "out", "num_tokens",
+                                                   "mode", "phases"))])
+def test_span_structs_repack_only_the_call_fields(dtype, head, tail):
+    """A prepared launch packs the whole call part once, then per call only its head and tail spans
+    (params.span_struct): the bytes equal launch_record's, and the fixed fields between are left as written."""
+    ep = params.ep_params({**{f: 5 + i for i, f in enumerate(params.EP_PARAMS_FIELDS)}, "peer_base": [9, 10]})
+    pack, offset, names = params.call_struct(dtype)
+    assert names[:len(head)] == head and names[len(names) - len(tail):] == tail
+
+    def value(n, i, salt):
+        kind = dtype["call"].fields[n][0]
+        return 0.375 * salt if kind == np.float32 else (0x7F0000001000 + 16 * (i + salt) if kind == np.uint64
+                                                        else i - 3 + salt)
+
+    first = {n: value(n, i, 1) for i, n in enumerate(names)}
+    raw = bytearray(dtype.itemsize)
+    raw[:offset] = ep.tobytes()
+    pack.pack_into(raw, offset, *(first[n] for n in names))
+    second = dict(first)
+    for span in (head, tail):
+        s, off = params.span_struct(dtype, span)
+        vals = [value(n, names.index(n), 7) for n in span]
+        second.update(zip(span, vals))
+        s.pack_into(raw, off, *vals)
+    got = np.frombuffer(bytes(raw), dtype)
+    rec = params.launch_record(dtype, ep, **second)
+    assert got["ep"].tobytes() == rec["ep"].tobytes()
+    for n in names:
+        assert got["call"][n][0] == rec["call"][n][0], n
+    with pytest.raises(ValueError, match="not consecutive"):
+        params.span_struct(dtype, (names[0], names[2]))

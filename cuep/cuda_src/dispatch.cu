@@ -112,11 +112,10 @@ CUEP_DISPATCH(cuep_dispatch_mxfp4_from_bf16, kFmtMxfp4, cuep::bf16_t)
 CUEP_DISPATCH(cuep_dispatch_mxfp4_from_f32, kFmtMxfp4, float)
 
 // The one-rank rounds (dispatch/local.cuh), kernels of their own so that neither path's registers limit the other's.
-// cuep/ep.py launches them for a fused call when the group is one rank: a small round in one launch
-// (cuep_dispatch_local_*), a larger bf16 one in three (local_count, local_groups_bf16, local_place_bf16_*). Larger
-// quantized rounds keep the protocol, whose scales are gathered in whole lines: placed row by row they measured
-// slower (H100, N = 4096: fp8 181 against 164 us, nvfp4 200 against 128, mxfp4 131 against 123; bf16 221 against
-// 244).
+// cuep/ep.py launches them for a fused call when the group is one rank: a small round (cuep_dispatch_local_*) or a
+// larger bf16 one (cuep_dispatch_local_large_bf16_*), one launch each. Larger quantized rounds keep the protocol,
+// whose scales are gathered in whole lines: placed row by row they measured slower (H100, N = 4096: fp8 181
+// against 164 us, nvfp4 200 against 128, mxfp4 131 against 123; bf16 221 against 244).
 #define CUEP_LOCAL_KERNEL(NAME)                                                                              \
     extern "C" __global__ void __launch_bounds__(cuep::kDispatchThreads, 1)                                  \
         NAME(const __grid_constant__ cuep::DispatchParams params)
@@ -128,12 +127,12 @@ CUEP_DISPATCH(cuep_dispatch_mxfp4_from_f32, kFmtMxfp4, float)
             !cuep::has_failed(params.ep))                                                                    \
             cuep::dispatch_local<cuep::FMT, T, true>(params.ep, call, smem);                                  \
     }
-#define CUEP_DISPATCH_LOCAL_PLACE(SRC_NAME, T)                                                               \
-    CUEP_LOCAL_KERNEL(cuep_dispatch_local_place_bf16_from_##SRC_NAME) {                                      \
+#define CUEP_DISPATCH_LOCAL_LARGE(SRC_NAME, T)                                                               \
+    CUEP_LOCAL_KERNEL(cuep_dispatch_local_large_bf16_from_##SRC_NAME) {                                      \
         extern __shared__ __align__(16) char smem[];                                                         \
         const cuep::DispatchArgs call = params.call;                                                         \
         if (cuep::local_round(params.ep, call.phases) && !cuep::has_failed(params.ep))                       \
-            cuep::dispatch_local<cuep::kFmtBf16, T, false>(params.ep, call, smem);                            \
+            cuep::dispatch_local_large<T>(params.ep, call, smem);                                             \
     }
 
 CUEP_DISPATCH_LOCAL(bf16, bf16, kFmtBf16, cuep::bf16_t)
@@ -145,15 +144,5 @@ CUEP_DISPATCH_LOCAL(nvfp4, f32, kFmtNvfp4, float)
 CUEP_DISPATCH_LOCAL(mxfp4, bf16, kFmtMxfp4, cuep::bf16_t)
 CUEP_DISPATCH_LOCAL(mxfp4, f32, kFmtMxfp4, float)
 
-CUEP_LOCAL_KERNEL(cuep_dispatch_local_count) {
-    const cuep::DispatchArgs call = params.call;
-    if (cuep::local_round(params.ep, call.phases) && !cuep::has_failed(params.ep)) cuep::local_count(params.ep, call);
-}
-CUEP_LOCAL_KERNEL(cuep_dispatch_local_groups_bf16) {
-    extern __shared__ __align__(16) char smem[];
-    const cuep::DispatchArgs call = params.call;
-    if (cuep::local_round(params.ep, call.phases) && !cuep::has_failed(params.ep))
-        cuep::local_groups<cuep::kFmtBf16>(params.ep, call, smem);
-}
-CUEP_DISPATCH_LOCAL_PLACE(bf16, cuep::bf16_t)
-CUEP_DISPATCH_LOCAL_PLACE(f32, float)
+CUEP_DISPATCH_LOCAL_LARGE(bf16, cuep::bf16_t)
+CUEP_DISPATCH_LOCAL_LARGE(f32, float)

@@ -2,8 +2,9 @@
 // or wait for, so no flags, fences, readiness or round counters.
 //   small round (N <= small_batch_tokens), one launch: every block lays the round out by itself from topk_ids (the
 //     small round's book, in shared memory: small_bookkeeping) and places its share of the rows;
-//   larger bf16 rounds, three launches: local_count (every block: validity, a position per choice from the
-//     histogram's atomics), local_groups (one block: the groups, the outputs' offsets, the histogram re-armed), then
+//   larger bf16 rounds, one launch (dispatch_local_large): every block counts its share (local_count: validity, a
+//     position per choice from the histogram's atomics); the last block to finish lays the groups out
+//     (local_groups: the outputs' offsets, the histogram re-armed) and publishes them, the others wait for it; then
 //     the same placement as a small round with the layout read back (larger quantized rounds: dispatch.cu).
 // Outputs as the protocol's (rows of an expert in any order, padding, scales). Each choice's position in its group
 // goes to local_choice_pos for the one-rank combine (combine/local.cuh); the protocol's combine handle is not
@@ -250,6 +251,40 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
         }
         __syncwarp();  // the staging is reused by the warp's next item
     }
+}
+
+// ---- a larger bf16 round in one launch ---------------------------------------------------------------------------
+// Count, then the last block to finish lays the groups out and advances C_LOCAL_GEN; the other blocks wait
+// (bounded) for it to move past the value they read before arriving (it cannot move earlier: it moves only once every
+// block has arrived), then every block places its share with the layout read back.
+template <typename T>
+__device__ void dispatch_local_large(const EPParams& ep, const DispatchArgs& a, char* smem) {
+    int* ctr = ep.counters();
+    __shared__ int s_gen, s_last, s_ok;
+    if (threadIdx.x == 0) s_gen = load_acquire_i32(ctr + C_LOCAL_GEN);
+    local_count(ep, a);
+    if (last_block_done(ctr + C_LOCAL_DONE, &s_last)) {
+        local_groups<kFmtBf16>(ep, a, smem);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            ctr[C_LOCAL_DONE] = 0;
+            __threadfence();  // the layout (row_offsets, local_counts) and the re-armed histogram before the news
+            store_release_gpu_i32(ctr + C_LOCAL_GEN, s_gen + 1);
+        }
+    } else {
+        if (threadIdx.x < kWarp) {
+            const int gen = s_gen;
+            const bool ok = warp_wait_until(ctr + C_LOCAL_GEN, [gen](int v) { return v != gen; }, ep, K_DISPATCH_SEND,
+                                            -1, threadIdx.x);
+            if (threadIdx.x == 0) {
+                __threadfence();
+                s_ok = ok;
+            }
+        }
+        __syncthreads();
+        if (!s_ok) return;
+    }
+    dispatch_local<kFmtBf16, T, false>(ep, a, smem);
 }
 
 }  // namespace cuep

@@ -22,6 +22,8 @@ enum Counter : int {
     C_ERROR = 11,         // nonzero once any kernel of this rank reported an error (first one wins)
     C_DONE_NOTIFY = 12,   // blocks done with a phase (last one finishes the phase and resets it)
     C_CRECV_COUNT = 13,   // combine receive rounds completed
+    C_LOCAL_DONE = 14,    // blocks of a larger one-rank dispatch done counting (the last one lays out, resets it)
+    C_LOCAL_GEN = 15,     // larger one-rank dispatch rounds laid out (the others wait for it to advance)
     C_DONE_CRECV = 16,
     C_CRECV_ITEM = 18,    // [2] next receive work item to claim (combine receive phase), by round parity
     C_ARRIVED_N = 20,     // [2] tokens of the last combine round of each parity (their arrival counts to re-arm)
