@@ -75,7 +75,6 @@ def main(argv=None) -> int:
     cuep.combine(buf, eo, d)
     buf.synchronize()
     host = ep._host(buf)
-    r0 = buf._ranks[0]
     threads, smem = ep._dispatch_launch(buf, staged=False)
     prep = ep._prepared(buf, 0, "dispatch.cu:cuep_dispatch_local_bf16_from_bf16", threads, smem)
     call = (x.data.ptr, ids.data.ptr, w.data.ptr)
@@ -97,10 +96,10 @@ def main(argv=None) -> int:
         "buf.check()": buf.check,
         "ep._check_array(x)": lambda: ep._check_array(x, "x", 0, (bf16, ep._F32), 2, "[N, H]"),
         "ep._validate_dispatch": lambda: ep._validate_dispatch(buf, [x], [ids], [w], 1.0),
-        "Dispatched(...)": lambda: ep.Dispatched(tokens=r0.tokens, scales=r0.scales, row_offsets=r0.row_offsets,
-                                                 expert_ids=r0.expert_ids, src_info=r0.src_info,
-                                                 scales_offsets=r0.scales_offsets, rank=0, num_tokens=N,
-                                                 _topk_ids=ids, _has_weights=True, _buffer=buf),
+        "Dispatched(*fixed, n, ids, has_w, buf)": lambda: ep.Dispatched(*host.results[0], N, ids, True, buf),
+        "ep._as_list(x) x3": lambda: (ep._as_list(x, 1, "x"), ep._as_list(ids, 1, "i"), ep._as_list(w, 1, "w")),
+        "ep._check_nothing_pending": lambda: ep._check_nothing_pending(buf, "c"),
+        "launch plan lookup (cached)": lambda: host.plans.get((0, 7, "bf16", 1)),
         "x.data.ptr x3": lambda: (x.data.ptr, ids.data.ptr, w.data.ptr),
         "prepared: pack the call's head and tail": lambda: (prep.head.pack_into(prep.raw, prep.head_offset, *call),
                                                             prep.tail.pack_into(prep.raw, prep.tail_offset, *tail)),

@@ -98,7 +98,10 @@ class Buffer:
     run at interpreter exit) unmaps the peers' memory and frees this process's.
     """
 
-    _closed = False  # set by close(); a class default so every call reads one attribute
+    # class defaults, so every call reads one attribute: set by close(), and by ep._before_launch when a round's
+    # host-side barrier failed
+    _closed = False
+    _host_error = None
 
     def __init__(self, group: Group, cfg: EPConfig, *, timeout_s: float = 5.0, num_sms: int | None = None):
         import cupy
@@ -324,7 +327,8 @@ class Buffer:
         reported a failure (reads host-mapped memory; no synchronisation, so it sees failures of kernels that
         have already run), or a host-side barrier of a round failed (one process per rank: a peer died or did not
         arrive; :class:`EPError` names it). Raises ``RuntimeError`` after :meth:`close`."""
-        self._check_open()
+        if self._closed:
+            self._check_open()
         for r in self._ranks:
             if not r.err_status[0]:  # the status word: nothing more to read while it is 0 (every call reads it)
                 continue
@@ -344,7 +348,7 @@ class Buffer:
                     at_fault, reason = None, "invalid"
                 raise EPError(f"{detail}. Call buffer.reset() on every rank before the next round.", rank=at_fault,
                               reason=reason)
-        failed = getattr(self, "_host_error", None)  # set by ep._before_launch when a round's barrier failed
+        failed = self._host_error  # set by ep._before_launch when a round's barrier failed
         if failed is not None:
             raise EPError(f"rank {self.group.ranks[0]}: a round on this buffer failed ({failed}); call buffer.reset() "
                           f"on every rank before the next round", ranks=failed.ranks, reason=failed.reason)

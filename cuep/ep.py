@@ -90,6 +90,8 @@ class Dispatched:
 
 
 def _as_list(v, n: int, name: str) -> list:
+    if n == 1 and type(v) is _ND:  # one rank, a bare array: the common case first
+        return [v]
     if isinstance(v, (list, tuple)):
         if len(v) != n:
             raise ValueError(f"{name} has {len(v)} entries; this process drives {n} rank(s), one array each")
@@ -101,6 +103,8 @@ def _as_list(v, n: int, name: str) -> list:
 
 def _check_buffer(buf, call: str) -> None:
     """``buf`` is an open :class:`Buffer` (the first argument of every call; a common slip is to leave it out)."""
+    if type(buf) is Buffer and not buf._closed:
+        return
     if not isinstance(buf, Buffer):
         raise TypeError(f"{call}: the first argument must be the cuep.Buffer of the group (cuep.Buffer(group, cfg)), "
                         f"got {type(buf).__name__}")
