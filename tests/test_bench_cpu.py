@@ -657,3 +657,15 @@ def test_nodes_prints_the_across_nodes_model(capsys):
     out = capsys.readouterr().out
     assert "H = 4096" in out and "| 2 x 8 |" in out and "| 4 x 8 |" in out and "| 8 x 8 |" not in out
     assert "dedup" in out
+
+
+def test_launch_floor_kernel_takes_a_struct_the_size_of_the_dispatchs():
+    """The host table's "launch only" row launches an empty kernel shaped like the dispatch: the same struct size."""
+    import re
+
+    from cuep import params
+    from cuep.bench import kernels
+
+    src = (Path(cuep.__file__).parent / "cuda_src" / "bench.cu").read_text()
+    words = int(re.search(r"struct LaunchFloorArgs \{\s*long long words\[(\d+)\];", src).group(1))
+    assert kernels.LAUNCH_FLOOR_BYTES == 8 * words == params.DISPATCH_PARAMS_DTYPE.itemsize

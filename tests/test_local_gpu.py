@@ -109,12 +109,18 @@ def test_local_rounds_other_shapes(fmt, rng):
 
 
 @pytest.mark.gpu
-def test_local_round_reports_bad_routing(rng):
+@pytest.mark.parametrize("bad", ["out_of_range", "duplicate"])
+def test_local_round_reports_bad_routing(rng, bad):
     cfg, buf = make()
     xs, ids, ws = make_inputs(rng, cfg, [8])
-    ids[0][3, 2] = cfg.n_experts + 5
+    if bad == "out_of_range":
+        ids[0][3, 2] = cfg.n_experts + 5
+        want = rf"expert id out of range \(expert id {cfg.n_experts + 5}, token 3\)"
+    else:
+        ids[0][5, 3] = ids[0][5, 1]
+        want = rf"same expert twice in one token's top-k \(expert id {int(ids[0][5, 1])}, token 5\)"
     gx, gids, gws = to_devices(buf.group, xs), to_devices(buf.group, ids), to_devices(buf.group, ws)
-    with pytest.raises(cuep.EPError, match=str(cfg.n_experts + 5)):
+    with pytest.raises(cuep.EPError, match=want):
         cuep.dispatch(buf, gx, gids, gws)
         buf.synchronize()
     assert local_launches(buf) == 1

@@ -34,7 +34,9 @@ with the weights given at dispatch (timed after an untimed bf16 dispatch). For e
   ``blocked``. Calls: ``cuep.dispatch`` and ``cuep.combine`` (the main table's column), ``dispatch_async`` /
   ``dispatch_wait``, ``combine_async`` / ``combine_wait``, ``cuep.ops.quantize`` (fp8 / nvfp4 / mxfp4 of x
   ``[N, H]``) and ``cuep.ops.fused_silu`` (h ``[N K, 2H]`` bf16, E groups), the ops with ``out=`` given. The
-  untimed work between timed calls (combine's dispatch) is queued behind the gate too.
+  untimed work between timed calls (combine's dispatch) is queued behind the gate too. First row: a bare launch
+  of an empty kernel shaped like the dispatch's (``launch only``), the part of a call's host time that is the
+  driver's, not Python's (it differs several-fold between hosts).
 * ``--phases`` (at ``--phases-n``, default 128): where a decode round's microseconds go. Each op is timed as
   consecutive launches with a CUDA event between them: fused and halves (``*_async`` then ``*_wait``) as cuep
   runs them (on one rank: the one-rank kernels, no protocol), and phases: the protocol's notify, send, receive as
@@ -73,6 +75,7 @@ SPLITS = ("fused", "halves", "phases")
 
 FLOOR_HEADER = ("op", "format", "N", "GPU us cold", "GPU us warm", "floor us cold", "floor us warm",
                 "x floor cold", "x floor warm", "layout floor us warm", "x layout warm", "host us")
+LAUNCH_FLOOR_CALL = "launch only (empty kernel)"  # the host table's row of kernels.launch_floor
 HOST_HEADER = ("call", "format", "N", "host us median", "p10", "p90", "calls", "note")
 PHASES_HEADER = ("op", "format", "N", "split", "launch", "us cold", "us warm")
 
@@ -639,6 +642,11 @@ def run(plan) -> tuple[dict, int]:
                 with cupy.cuda.Device(dev):
                     cupy.get_default_memory_pool().free_all_blocks()
         if plan.host:
+            try:
+                _host_launch_floor(dev, hkw, host_entry)
+            except Exception as e:  # noqa: BLE001
+                doc["errors"].append({"call": "launch floor", "error": f"{type(e).__name__}: {e}"})
+                log(f"launch floor: {type(e).__name__}: {e}")
             for n in plan.floor_n:
                 try:
                     _host_ops(plan, inputs_for(n), dev, hkw, n, host_entry)
@@ -687,6 +695,18 @@ def _host_halves(case, do_dispatch, do_combine, dev, hkw, fmt, n, host_entry) ->
 
         for call, stats in host_cost(step, dev, after=case.buf.check, **hkw).items():
             host_entry(call, "bf16", n, stats)
+
+
+def _host_launch_floor(dev, hkw, host_entry) -> None:
+    """Host cost of a bare launch shaped like cuep's (``kernels.launch_floor``): what Python cannot cut from a call."""
+    import cupy
+
+    from .kernels import _sm_count, launch_floor
+
+    with cupy.cuda.Device(dev):
+        launch, sms = launch_floor(), _sm_count(dev)
+        st = host_cost(lambda i, timed: timed("l", lambda: launch(sms, 0)), dev, **hkw)
+    host_entry(LAUNCH_FLOOR_CALL, "-", 0, st["l"])
 
 
 def _host_ops(plan, inputs, dev, hkw, n, host_entry) -> None:

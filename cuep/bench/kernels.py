@@ -80,3 +80,18 @@ def floor_copy(src, dst, read_bytes: int, write_bytes: int, salt: int = 0x9E3779
     function("cuep_bench_floor_copy")((grid,), (FLOOR_THREADS,), (
         np.uint64(ptr(src)), np.uint64(ptr(dst)), np.int64(read_bytes // 16), np.int64(write_bytes // 16),
         np.uint32(salt)))
+
+
+LAUNCH_FLOOR_BYTES = 528  # sizeof(LaunchFloorArgs) in cuda_src/bench.cu: cuep.params.DISPATCH_PARAMS_DTYPE's size
+
+
+def launch_floor():
+    """A prepared launch (:class:`cuep._kernels.PreparedLaunch`) of ``cuep_bench_launch_floor`` on the current
+    device: an empty kernel launched as cuep's dispatch is (one 512-thread block per SM, a 528-byte struct by
+    value). Call ``launch(grid)``: the host cost of a launch alone, the part of an eager call Python cannot cut."""
+    import struct
+
+    from .._kernels import PreparedLaunch
+
+    return PreparedLaunch(function("cuep_bench_launch_floor"), 512, 0, LAUNCH_FLOOR_BYTES, (0,), struct.Struct("<q"))
+

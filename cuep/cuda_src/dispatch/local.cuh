@@ -1,7 +1,7 @@
 // Dispatch of a one-rank group (every expert local), all phases in one call: there is no other rank to count with
 // or wait for, so no flags, fences, readiness or round counters.
 //   small round (N <= small_batch_tokens), one launch: every block lays the round out by itself from topk_ids (the
-//     small round's book, in shared memory: small_bookkeeping) and places its share of the rows;
+//     round's book, in shared memory: local_book) and places its share of the rows;
 //   larger bf16 rounds, one launch (dispatch_local_large): every block counts its share (local_count: validity, a
 //     position per choice from the histogram's atomics); the last block to finish lays the groups out
 //     (local_groups: the outputs' offsets, the histogram re-armed) and publishes them, the others wait for it; then
@@ -54,6 +54,72 @@ __device__ void local_scan_groups(const EPParams& ep, int shared_n, Count count,
     __syncthreads();
     if ((FMT == kFmtNvfp4 || FMT == kFmtMxfp4) && threadIdx.x < kWarp) scan_scale_tiles(s_offsets, G, s_tiles, &s_tiles_end);
     __syncthreads();
+}
+
+// ---- small rounds: the book ----------------------------------------------------------------------------------
+// A small round's book for one rank, the same in every block (positions come from per-expert token masks, not from
+// atomics, so that every block agrees), in the SmallBook's shared memory (its expert, pos and bits arrays):
+//   0. the masks cleared while the ids load, a barrier;
+//   1. a W-lane segment per token (W a power of two >= K, lane k = choice k): validity with shuffles (block 0 reports
+//      bad choices), the choice's expert (kNoExpert if not valid), its token's bit set in its expert's mask; a barrier;
+//   2. each valid choice's position: the earlier tokens in its expert's mask. The group scan that follows reads the
+//      counts from the masks (local_book_count); its barriers order these positions before the placement reads them.
+// (The protocol's small_bookkeeping also fills per-rank token masks and message counts a one-rank round does not use,
+// in four passes with a barrier after each.)
+__device__ __forceinline__ int local_book_count(const SmallBook& b, int e, int words) {
+    int n = 0;
+    for (int w = 0; w < words; ++w) n += __popc(b.bits[e * words + w]);
+    return n;
+}
+
+__device__ void local_book(const EPParams& ep, const DispatchArgs& a, const SmallBook& b) {
+    const int E = static_cast<int>(ep.n_experts), K = static_cast<int>(ep.top_k), L = static_cast<int>(ep.n_local);
+    const int rank = static_cast<int>(ep.rank), N = a.num_tokens, lane = threadIdx.x % kWarp;
+    const bool skip = ep.skip_a2a != 0, report = blockIdx.x == 0;
+    const int words = (N + 31) / 32;
+    const int W = K <= 1 ? 1 : 1 << (32 - __clz(K - 1)), per_warp = kWarp / W, seg = lane / W, k = lane % W;
+    const int per_pass = static_cast<int>(blockDim.x / kWarp) * per_warp;  // tokens per pass of the block
+    const int t_first = static_cast<int>(threadIdx.x / kWarp) * per_warp + seg;
+    constexpr int kLoads = 4;  // passes whose ids are loaded together
+    int ids[kLoads];
+    auto load = [&](int t0) {
+#pragma unroll
+        for (int u = 0; u < kLoads; ++u) {
+            const int t = t0 + u * per_pass + t_first;
+            ids[u] = t < N && k < K ? a.topk_ids[t * K + k] : -1;
+        }
+    };
+    load(0);
+    for (int i = threadIdx.x; i < E * words; i += blockDim.x) b.bits[i] = 0u;
+    __syncthreads();
+    for (int t0 = 0; t0 < N; t0 += kLoads * per_pass) {
+        if (t0) load(t0);
+#pragma unroll
+        for (int u = 0; u < kLoads; ++u) {
+            if (t0 + u * per_pass >= N) break;  // the block's tokens are done (the same for every thread)
+            const int t = t0 + u * per_pass + t_first;
+            const bool choice = t < N && k < K;
+            const int e = ids[u];
+            const bool in_range = choice && e >= 0 && e < E;
+            const bool repeat = warp_repeats_earlier(e, k, K, W);
+            const bool local_ok = !skip || (in_range && e / L == rank);
+            if (report && choice && !in_range) report_error(ep, kStatusBadExpertId, K_DISPATCH_SEND, e, t);
+            if (report && in_range && repeat && local_ok) report_error(ep, kStatusDuplicateExpert, K_DISPATCH_SEND, e, t);
+            const bool valid = in_range && !repeat && local_ok;
+            if (valid) atomicOr(b.bits + e * words + t / 32, 1u << (t % 32));
+            if (choice) b.expert[t * K + k] = valid ? static_cast<uint16_t>(e) : kNoExpert;
+        }
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < N * K; c += blockDim.x) {
+        const int e = b.expert[c];
+        if (e == kNoExpert) continue;
+        const int t = c / K;
+        const unsigned* m = b.bits + e * words;
+        int pos = __popc(m[t / 32] & ((1u << (t % 32)) - 1u));
+        for (int w = 0; w < t / 32; ++w) pos += __popc(m[w]);
+        b.pos[c] = static_cast<uint16_t>(pos);
+    }
 }
 
 // ---- larger rounds: count, groups ------------------------------------------------------------------------------
@@ -117,7 +183,7 @@ template <int FMT, typename T, bool kBook>
 __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* smem) {
     const int K = static_cast<int>(ep.top_k), H = static_cast<int>(ep.hidden), G = static_cast<int>(ep.n_groups);
     const int L = static_cast<int>(ep.n_local), rank = static_cast<int>(ep.rank);
-    const int sh = static_cast<int>(ep.shared), N = a.num_tokens;
+    const int sh = static_cast<int>(ep.shared), N = a.num_tokens, words = (N + 31) / 32;
     const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, n_warps = blockDim.x / kWarp;
     constexpr bool kTiled = FMT == kFmtNvfp4 || FMT == kFmtMxfp4;
     using S = typename FormatTraits<FMT>::Scale;
@@ -132,14 +198,15 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
     char* layout = smem;
     if constexpr (kBook) {
         book = small_book(ep, smem);
-        small_bookkeeping(ep, a, book, /*report=*/blockIdx.x == 0);  // ends with a barrier
+        local_book(ep, a, book);
         layout = smem + small_book_bytes(ep);
     }
     unsigned* s_offsets = reinterpret_cast<unsigned*>(layout);
     unsigned* s_tiles = s_offsets + align_up(4 * (ep.n_groups + 1)) / 4;
     int* s_count = reinterpret_cast<int*>(s_tiles + align_up(4 * ep.n_groups) / 4);  // (larger rounds)
     if constexpr (kBook) {
-        local_scan_groups<FMT>(ep, s_shared_n, [&](int l) { return book.hist[rank * L + l]; }, s_offsets, s_tiles);
+        local_scan_groups<FMT>(ep, s_shared_n, [&](int l) { return local_book_count(book, rank * L + l, words); },
+                               s_offsets, s_tiles);
         if (blockIdx.x == 0) {
             for (int g = threadIdx.x; g <= G; g += blockDim.x) {
                 a.row_offsets[g] = s_offsets[g];
@@ -157,7 +224,7 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
         if (kTiled && threadIdx.x < kWarp) scan_scale_tiles(s_offsets, G, s_tiles, &s_tiles_end);
         __syncthreads();
     }
-    auto count_of = [&](int l) { return kBook ? book.hist[rank * L + l] : s_count[l]; };
+    auto count_of = [&](int l) { return kBook ? local_book_count(book, rank * L + l, words) : s_count[l]; };
 
     // 2. Padding, a group per block.
     for (int g = blockIdx.x; g < G; g += gridDim.x) {
