@@ -35,13 +35,16 @@ __device__ __forceinline__ int* local_counts(const EPParams& ep) { return local_
 template <int FMT, class Count>
 __device__ void local_scan_groups(const EPParams& ep, int shared_n, Count count, unsigned* s_offsets,
                                   unsigned* s_tiles) {
-    const int L = static_cast<int>(ep.n_local), sh = static_cast<int>(ep.shared), G = static_cast<int>(ep.n_groups);
+    const int L = static_cast<int>(ep.n_local), sh = static_cast<int>(ep.shared);
+    constexpr bool kTiled = FMT == kFmtNvfp4 || FMT == kFmtMxfp4;
     __shared__ int s_scan[32];
-    __shared__ unsigned s_tiles_end;
     int carry = sh ? padded(shared_n, ep) : 0;
+    // fp4: a group's first 128-row scale tile, by a second scan of the groups' tile counts (each starts a fresh one)
+    int tile_carry = (carry + kScaleTileRows - 1) / kScaleTileRows;
     if (threadIdx.x == 0) {
         s_offsets[0] = 0;
         if (sh) s_offsets[1] = carry;
+        if (kTiled && sh) s_tiles[0] = 0;  // the shared group's (without it, the loop's l = 0 writes it)
     }
     for (int l0 = 0; l0 < L; l0 += blockDim.x) {
         const int l = l0 + threadIdx.x;
@@ -50,9 +53,13 @@ __device__ void local_scan_groups(const EPParams& ep, int shared_n, Count count,
         const int incl = block_inclusive_scan(size, s_scan, &total);
         if (l < L) s_offsets[sh + l + 1] = carry + incl;
         carry += total;
+        if constexpr (kTiled) {
+            const int tiles = (size + kScaleTileRows - 1) / kScaleTileRows;
+            const int tiles_incl = block_inclusive_scan(tiles, s_scan, &total);
+            if (l < L) s_tiles[sh + l] = tile_carry + tiles_incl - tiles;
+            tile_carry += total;
+        }
     }
-    __syncthreads();
-    if ((FMT == kFmtNvfp4 || FMT == kFmtMxfp4) && threadIdx.x < kWarp) scan_scale_tiles(s_offsets, G, s_tiles, &s_tiles_end);
     __syncthreads();
 }
 
