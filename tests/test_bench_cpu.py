@@ -17,6 +17,7 @@ import pytest
 import cuep
 from cuep.bench import nccl, report, timing, traffic
 from cuep.bench import __main__ as cli
+from cuep.bench.floor import LAUNCH_FLOOR_CALL
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -641,7 +642,8 @@ def test_cli_floor_quick_end_to_end(tmp_path):
         assert (r["floor_layout"] is None) == (r["op"] == "combine" or r["format"] == "bf16")
     calls = {h["call"] for h in doc["host"]}
     assert calls == {"cuep.dispatch", "cuep.combine", "cuep.dispatch_async", "cuep.dispatch_wait",
-                     "cuep.combine_async", "cuep.combine_wait", "cuep.ops.quantize", "cuep.ops.fused_silu"}
+                     "cuep.combine_async", "cuep.combine_wait", "cuep.ops.quantize", "cuep.ops.fused_silu",
+                     LAUNCH_FLOOR_CALL}
     assert all(not h["blocked"] and h["calls"] == 16 for h in doc["host"])
     assert {(p["op"], p["split"]) for p in doc["phases"]} == {(op, s) for op in ("dispatch", "combine")
                                                                for s in ("fused", "halves", "phases")}
