@@ -103,17 +103,10 @@ _STRUCT_CODES = {np.dtype(np.uint64): "Q", np.dtype(np.int64): "q", np.dtype(np.
 def call_struct(dtype: np.dtype) -> tuple[struct.Struct, int, tuple[str, ...]]:
     """The call part of a ``DispatchParams`` / ``CombineParams`` record as a ``struct.Struct`` that packs its fields
     in C order (padding explicit, little-endian), the part's offset in the record and the field names: what a
-    prepared launch packs per call (the same bytes as :func:`launch_record`'s call part; tests/test_params.py)."""
-    args = dtype["call"]
-    fmt, pos = "<", 0
-    for name in args.names:
-        ftype, off = args.fields[name][:2]
-        if off < pos:
-            raise ValueError(f"field {name} overlaps the previous one")
-        fmt += "x" * (off - pos) + _STRUCT_CODES[ftype]
-        pos = off + ftype.itemsize
-    fmt += "x" * (args.itemsize - pos)
-    return struct.Struct(fmt), dtype.fields["call"][1], args.names
+    prepared launch packs once (the same bytes as :func:`launch_record`'s call part; tests/test_params.py)."""
+    names = dtype["call"].names
+    pack, offset = span_struct(dtype, names)
+    return pack, offset, names
 
 
 def span_struct(dtype: np.dtype, names: tuple[str, ...]) -> tuple[struct.Struct, int]:
@@ -131,6 +124,8 @@ def span_struct(dtype: np.dtype, names: tuple[str, ...]) -> tuple[struct.Struct,
     fmt = "<"
     for name in names:
         ftype, off = args.fields[name][:2]
+        if off < pos:
+            raise ValueError(f"field {name} overlaps the previous one")
         fmt += "x" * (off - pos) + _STRUCT_CODES[ftype]
         pos = off + ftype.itemsize
     fmt += "x" * (end - pos)

@@ -70,19 +70,13 @@ __device__ void local_scan_groups(const EPParams& ep, int shared_n, Count count,
 //   1. a W-lane segment per token (W a power of two >= K, lane k = choice k): validity with shuffles (block 0 reports
 //      bad choices), the choice's expert (kNoExpert if not valid), its token's bit set in its expert's mask; a barrier;
 //   2. each valid choice's position: the earlier tokens in its expert's mask. The group scan that follows reads the
-//      counts from the masks (local_book_count); its barriers order these positions before the placement reads them.
+//      counts from the masks (mask_tokens); its barriers order these positions before the placement reads them.
 // (The protocol's small_bookkeeping also fills per-rank token masks and message counts a one-rank round does not use,
 // in four passes with a barrier after each.)
-__device__ __forceinline__ int local_book_count(const SmallBook& b, int e, int words) {
-    int n = 0;
-    for (int w = 0; w < words; ++w) n += __popc(b.bits[e * words + w]);
-    return n;
-}
-
 __device__ void local_book(const EPParams& ep, const DispatchArgs& a, const SmallBook& b) {
-    const int E = static_cast<int>(ep.n_experts), K = static_cast<int>(ep.top_k), L = static_cast<int>(ep.n_local);
-    const int rank = static_cast<int>(ep.rank), N = a.num_tokens, lane = threadIdx.x % kWarp;
-    const bool skip = ep.skip_a2a != 0, report = blockIdx.x == 0;
+    const int E = static_cast<int>(ep.n_experts), K = static_cast<int>(ep.top_k);
+    const int N = a.num_tokens, lane = threadIdx.x % kWarp;
+    const bool report = blockIdx.x == 0;
     const int words = (N + 31) / 32;
     const int W = K <= 1 ? 1 : 1 << (32 - __clz(K - 1)), per_warp = kWarp / W, seg = lane / W, k = lane % W;
     const int per_pass = static_cast<int>(blockDim.x / kWarp) * per_warp;  // tokens per pass of the block
@@ -107,12 +101,7 @@ __device__ void local_book(const EPParams& ep, const DispatchArgs& a, const Smal
             const int t = t0 + u * per_pass + t_first;
             const bool choice = t < N && k < K;
             const int e = ids[u];
-            const bool in_range = choice && e >= 0 && e < E;
-            const bool repeat = warp_repeats_earlier(e, k, K, W);
-            const bool local_ok = !skip || (in_range && e / L == rank);
-            if (report && choice && !in_range) report_error(ep, kStatusBadExpertId, K_DISPATCH_SEND, e, t);
-            if (report && in_range && repeat && local_ok) report_error(ep, kStatusDuplicateExpert, K_DISPATCH_SEND, e, t);
-            const bool valid = in_range && !repeat && local_ok;
+            const bool valid = warp_choice_valid(ep, e, choice, k, K, W, t, report);
             if (valid) atomicOr(b.bits + e * words + t / 32, 1u << (t % 32));
             if (choice) b.expert[t * K + k] = valid ? static_cast<uint16_t>(e) : kNoExpert;
         }
@@ -121,11 +110,7 @@ __device__ void local_book(const EPParams& ep, const DispatchArgs& a, const Smal
     for (int c = threadIdx.x; c < N * K; c += blockDim.x) {
         const int e = b.expert[c];
         if (e == kNoExpert) continue;
-        const int t = c / K;
-        const unsigned* m = b.bits + e * words;
-        int pos = __popc(m[t / 32] & ((1u << (t % 32)) - 1u));
-        for (int w = 0; w < t / 32; ++w) pos += __popc(m[w]);
-        b.pos[c] = static_cast<uint16_t>(pos);
+        b.pos[c] = static_cast<uint16_t>(mask_tokens_before(b.bits + e * words, c / K));
     }
 }
 
@@ -134,8 +119,7 @@ __device__ void local_book(const EPParams& ep, const DispatchArgs& a, const Smal
 // choices reported and skipped), each valid choice's position in its expert's group from an atomic on the
 // histogram (counters C_HIST, which local_groups re-arms), -1 for the others.
 __device__ void local_count(const EPParams& ep, const DispatchArgs& a) {
-    const int E = static_cast<int>(ep.n_experts), K = static_cast<int>(ep.top_k), L = static_cast<int>(ep.n_local);
-    const int rank = static_cast<int>(ep.rank), N = a.num_tokens, lane = threadIdx.x % kWarp;
+    const int K = static_cast<int>(ep.top_k), N = a.num_tokens, lane = threadIdx.x % kWarp;
     int* hist = ep.counters() + C_HIST;
     int* pos = local_choice_pos(ep);
     const int W = K <= 1 ? 1 : 1 << (32 - __clz(K - 1)), per_warp = kWarp / W, seg = lane / W, k = lane % W;
@@ -145,12 +129,8 @@ __device__ void local_count(const EPParams& ep, const DispatchArgs& a) {
         const int t = t0 + seg;
         const bool choice = t < N && k < K;
         const int e = choice ? a.topk_ids[static_cast<long long>(t) * K + k] : -1;
-        const bool in_range = choice && e >= 0 && e < E;
-        const bool repeat = warp_repeats_earlier(e, k, K, W);
-        if (choice && !in_range) report_error(ep, kStatusBadExpertId, K_DISPATCH_SEND, e, t);
-        const bool local_ok = !ep.skip_a2a || (in_range && e / L == rank);
-        if (in_range && repeat && local_ok) report_error(ep, kStatusDuplicateExpert, K_DISPATCH_SEND, e, t);
-        if (choice) pos[static_cast<long long>(t) * K + k] = in_range && !repeat && local_ok ? atomicAdd(hist + e, 1) : -1;
+        const bool valid = warp_choice_valid(ep, e, choice, k, K, W, t);
+        if (choice) pos[static_cast<long long>(t) * K + k] = valid ? atomicAdd(hist + e, 1) : -1;
     }
 }
 
@@ -211,9 +191,9 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
     unsigned* s_offsets = reinterpret_cast<unsigned*>(layout);
     unsigned* s_tiles = s_offsets + align_up(4 * (ep.n_groups + 1)) / 4;
     int* s_count = reinterpret_cast<int*>(s_tiles + align_up(4 * ep.n_groups) / 4);  // (larger rounds)
+    auto book_count = [&](int l) { return mask_tokens(book.bits + (rank * L + l) * words, words); };  // (small)
     if constexpr (kBook) {
-        local_scan_groups<FMT>(ep, s_shared_n, [&](int l) { return local_book_count(book, rank * L + l, words); },
-                               s_offsets, s_tiles);
+        local_scan_groups<FMT>(ep, s_shared_n, book_count, s_offsets, s_tiles);
         if (blockIdx.x == 0) {
             for (int g = threadIdx.x; g <= G; g += blockDim.x) {
                 a.row_offsets[g] = s_offsets[g];
@@ -231,7 +211,7 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
         if (kTiled && threadIdx.x < kWarp) scan_scale_tiles(s_offsets, G, s_tiles, &s_tiles_end);
         __syncthreads();
     }
-    auto count_of = [&](int l) { return kBook ? local_book_count(book, rank * L + l, words) : s_count[l]; };
+    auto count_of = [&](int l) { return kBook ? book_count(l) : s_count[l]; };
 
     // 2. Padding, a group per block.
     for (int g = blockIdx.x; g < G; g += gridDim.x) {

@@ -53,12 +53,7 @@ __device__ void phase_notify(const EPParams& ep, const DispatchArgs& a, int roun
         const bool choice = t < hi && k < K;
         const long long i = static_cast<long long>(t) * K + k;
         const int e = choice ? a.topk_ids[i] : -1;
-        const bool in_range = choice && e >= 0 && e < E;
-        const bool repeat = warp_repeats_earlier(e, k, K, W);
-        if (choice && !in_range) report_error(ep, kStatusBadExpertId, K_DISPATCH_SEND, e, t);
-        const bool local_ok = !ep.skip_a2a || (in_range && e / L == ep.rank);
-        if (in_range && repeat && local_ok) report_error(ep, kStatusDuplicateExpert, K_DISPATCH_SEND, e, t);
-        const bool valid = in_range && !repeat && local_ok;
+        const bool valid = warp_choice_valid(ep, e, choice, k, K, W, t);
         const unsigned valid_mask = (__ballot_sync(0xffffffffu, valid) >> (seg * W)) & seg_bits;
         const int r = valid ? e / L : -1;
         const bool first = warp_first_of_rank(r, valid_mask, k, K, W);

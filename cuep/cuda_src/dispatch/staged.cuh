@@ -39,6 +39,19 @@ struct SmallBook {
     int* n_msgs;       // [8] messages to each rank
 };
 
+// A token mask of `words` words (bit t % 32 of word t / 32): the tokens before t in it (a choice's position among its
+// expert's tokens), and all of them.
+__device__ __forceinline__ int mask_tokens_before(const unsigned* m, int t) {
+    int n = __popc(m[t / 32] & ((1u << (t % 32)) - 1u));
+    for (int w = 0; w < t / 32; ++w) n += __popc(m[w]);
+    return n;
+}
+__device__ __forceinline__ int mask_tokens(const unsigned* m, int words) {
+    int n = 0;
+    for (int w = 0; w < words; ++w) n += __popc(m[w]);
+    return n;
+}
+
 __device__ __forceinline__ SmallBook small_book(const EPParams& ep, char* smem) {
     const long long D = ep.small_tokens, K = ep.top_k, E = ep.n_experts, W = (D + 31) / 32;
     SmallBook b;
@@ -109,16 +122,9 @@ __device__ void small_bookkeeping(const EPParams& ep, const DispatchArgs& a, con
             continue;
         }
         const int t = c / K, e = b.expert[c];
-        const unsigned* m = b.bits + e * W;
-        int pos = __popc(m[t / 32] & ((1u << (t % 32)) - 1u));
-        for (int w = 0; w < t / 32; ++w) pos += __popc(m[w]);
-        b.pos[c] = static_cast<uint16_t>(pos);
+        b.pos[c] = static_cast<uint16_t>(mask_tokens_before(b.bits + e * W, t));
     }
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        int n = 0;
-        for (int w = 0; w < W; ++w) n += __popc(b.bits[e * W + w]);
-        b.hist[e] = n;
-    }
+    for (int e = threadIdx.x; e < E; e += blockDim.x) b.hist[e] = mask_tokens(b.bits + e * W, W);
     // 4. Each destination's token mask (a warp per 32 tokens, a ballot per rank), then its message count.
     const int stride = static_cast<int>((ep.small_tokens + 31) / 32);
     __syncthreads();

@@ -3,6 +3,7 @@
 // applies them when it sends, combine again when it sums: both read the same topk_ids row the same way.
 #pragma once
 #include "params.cuh"
+#include "state.cuh"
 
 namespace cuep {
 
@@ -34,6 +35,20 @@ __device__ __forceinline__ bool warp_repeats_earlier(int v, int lane, int K, int
         if (k2 < lane && u == v) repeat = true;
     }
     return repeat;
+}
+// Is this lane's choice valid (`choice`: the lane holds one, slot k of token t in a W-lane segment as above): its
+// expert id in range, no earlier choice of the token with the same expert, and with skip_a2a on this rank. With
+// `report`, a bad id or a repeat is recorded (kStatusBadExpertId / kStatusDuplicateExpert) and so skipped. (All
+// lanes take part: the repeat test shuffles.) The dispatch's count (notify), and the one-rank count and book.
+__device__ __forceinline__ bool warp_choice_valid(const EPParams& ep, int e, bool choice, int k, int K, int W, int t,
+                                                  bool report = true) {
+    const int E = static_cast<int>(ep.n_experts), L = static_cast<int>(ep.n_local);
+    const bool in_range = choice && e >= 0 && e < E;
+    const bool repeat = warp_repeats_earlier(e, k, K, W);
+    if (report && choice && !in_range) report_error(ep, kStatusBadExpertId, K_DISPATCH_SEND, e, t);
+    const bool local_ok = !ep.skip_a2a || (in_range && e / L == static_cast<int>(ep.rank));
+    if (report && in_range && repeat && local_ok) report_error(ep, kStatusDuplicateExpert, K_DISPATCH_SEND, e, t);
+    return in_range && !repeat && local_ok;
 }
 // Is this lane's choice, valid by `valid_mask`, the first valid one of its rank `rank_of` (no earlier valid lane
 // with the same rank)? (All lanes take part; `width` and `lane` as above, `valid_mask` the segment's own bits.)
