@@ -37,31 +37,47 @@ _U8 = np.dtype(np.uint8)
 _U32 = np.dtype(np.uint32)
 _ROW_OFFSET_DTYPES = tuple(np.dtype(t) for t in (np.int32, np.uint32, np.int64, np.uint64))
 _DTYPE_SUFFIX = {_BF16: "bf16", _F32: "f32"}
+_X_DTYPES = (_F32, _BF16)
+_quantize_plans: dict[tuple, tuple] = {}  # (Format, H, dtype, device) -> quantize's sizes and launch
+_silu_plans: dict[tuple, tuple] = {}      # fused_silu's output shapes and launch per argument signature
 
 
 _cupy = None
+_ND = None  # cupy.ndarray, bound with the module (the checks' fast path compares the type by identity)
 
 
 def _cp():
     """The cupy module, imported on first use (``import cuep`` loads no CUDA library; an ``import`` statement per
     call would cost a microsecond of the call's host time)."""
-    global _cupy
+    global _cupy, _ND
     if _cupy is None:
         import cupy
 
-        _cupy = cupy
+        _cupy, _ND = cupy, cupy.ndarray
     return _cupy
 
 
+def _device() -> int:
+    """The current device's id (one runtime call; every op asks once and passes it to the checks)."""
+    return _cp().cuda.runtime.getDevice()
+
+
 # ---- argument checks ------------------------------------------------------------------------------------------
-def _check_array(a, argname: str, dtypes, ndim: int, shape=None, align: int = 16) -> None:
+def _check_array(a, argname: str, dtypes, ndim: int, shape=None, align: int = 16, dev: int | None = None) -> None:
     """Type, dtype, ndim, exact shape (None entries are free), C-contiguity, device and alignment of a CuPy array.
 
     ``align``: the start address must be a multiple of it (16: the kernels move rows and scales with 16-byte
     vectors; 0: the dtype's itemsize). Fresh CuPy/torch allocations are 256-byte aligned; a view at an odd offset
     of a larger allocation is not, and a misaligned load would be a fatal device fault rather than an exception.
-    O(1) host work: attributes CuPy stores, no objects built unless a check fails.
+    ``dev``: the current device if the caller already asked for it.
+    O(1) host work: attributes CuPy stores, no objects built unless a check fails; a right argument passes one
+    test per property (the host cost of a call).
     """
+    if type(a) is _ND and a.ndim == ndim and a.dtype in dtypes and a._c_contiguous and (shape is None
+                                                                                           or a.shape == shape):
+        mem = a.data
+        if mem.device_id == (_device() if dev is None else dev) and not mem.ptr % (align or a.dtype.itemsize):
+            return
     cupy = _cp()
     if not isinstance(a, cupy.ndarray):
         if isinstance(a, np.ndarray):
@@ -83,7 +99,8 @@ def _check_array(a, argname: str, dtypes, ndim: int, shape=None, align: int = 16
     if not c_contiguous(a):
         raise ValueError(f"{argname} must be C-contiguous (the kernels ignore strides); use cupy.ascontiguousarray")
     mem = a.data
-    dev = cupy.cuda.runtime.getDevice()
+    if dev is None:
+        dev = _device()
     if mem.device_id != dev:
         raise ValueError(f"{argname} is on device {a.device.id}, but the current device is {dev}: call the op "
                          f"inside `with cupy.cuda.Device({a.device.id}):`, or copy the array to device {dev}")
@@ -95,6 +112,9 @@ def _check_array(a, argname: str, dtypes, ndim: int, shape=None, align: int = 16
 
 def _check_global_scale(global_scale) -> np.float32:
     """nvfp4's g as float32, in [2**-100, 2**100] (as cuep.reference checks it)."""
+    if type(global_scale) is float and GLOBAL_SCALE_MIN <= global_scale <= GLOBAL_SCALE_MAX:
+        # the usual case, one comparison: both bounds are float32 values, so the rounded g stays inside them
+        return _F32.type(global_scale)
     msg = f"global_scale={global_scale!r} must be a float in [2**-100, 2**100] (nvfp4's global scale)"
     # a number, not a string that np.float32 would parse, nor a bool (as cuep.reference and cuep.dispatch check it)
     if isinstance(global_scale, (bool, np.bool_)) or not isinstance(global_scale, (int, float, np.integer,
@@ -128,9 +148,10 @@ def _check_out_tuple(out, argname: str, n: int) -> tuple:
     return tuple(out)
 
 
-def _check_row_offsets(row_offsets, capacity_name: str, capacity: int) -> tuple[cupy.ndarray, int]:
+def _check_row_offsets(row_offsets, capacity_name: str, capacity: int, dev: int | None = None
+                       ) -> tuple[cupy.ndarray, int]:
     """row_offsets [G+1] of any 32/64-bit integer dtype -> (int32 view or copy on the device, G)."""
-    _check_array(row_offsets, "row_offsets", _ROW_OFFSET_DTYPES, 1)
+    _check_array(row_offsets, "row_offsets", _ROW_OFFSET_DTYPES, 1, dev=dev)
     n_groups = row_offsets.size - 1
     if n_groups < 1:
         raise ValueError(f"row_offsets must hold G + 1 >= 2 offsets, got shape {row_offsets.shape}")
@@ -179,14 +200,13 @@ def _silu_ring_bytes() -> int:
 _prepared: dict[tuple, tuple] = {}
 
 
-def _launch(filename: str, name: str, work_blocks: int, sig: str, *args, smem: int = 0) -> None:
-    """Launch the grid-stride kernel ``filename:name`` on the current device and stream with ``args``, its C
-    parameters in order as ``sig`` spells them (P a device pointer as an int, q int64, i int32, f float32).
+def _prepare(filename: str, name: str, sig: str, dev: int, smem: int = 0):
+    """(launch, largest useful grid) of the grid-stride kernel ``filename:name`` on device ``dev``, its C parameters
+    in order as ``sig`` spells them (P a device pointer as an int, q int64, i int32, f float32).
 
-    The launch (kernel, block, shared memory, largest useful grid, parameter buffer) is prepared once per (kernel,
-    device, shared memory) and reused: per call only the arguments are packed (:class:`cuep._kernels.PreparedLaunch`).
+    Prepared once per (kernel, device, shared memory) and reused: per call only the arguments are packed
+    (:class:`cuep._kernels.PreparedLaunch`); ``launch(grid, *args)`` runs it on the current stream.
     """
-    dev = _cp().cuda.runtime.getDevice()
     key = (filename, name, dev, smem)
     hit = _prepared.get(key)
     if hit is None:
@@ -199,6 +219,13 @@ def _launch(filename: str, name: str, work_blocks: int, sig: str, *args, smem: i
     launch, max_grid, want = hit
     if sig != want:
         raise RuntimeError(f"{filename}:{name} launched with parameters {sig!r}, earlier with {want!r}")
+    return launch, max_grid
+
+
+def _launch(filename: str, name: str, work_blocks: int, sig: str, *args, smem: int = 0) -> None:
+    """Launch ``filename:name`` (:func:`_prepare`) on the current device and stream with ``args``, at most
+    ``work_blocks`` blocks."""
+    launch, max_grid = _prepare(filename, name, sig, _device(), smem)
     launch(max(1, min(int(work_blocks), max_grid)), *args)
 
 
@@ -233,25 +260,34 @@ def quantize(x: cupy.ndarray, fmt: str, global_scale: float = 1.0, out=None) -> 
     """
     cupy = _cp()
     f = get_format(fmt, "fmt")
-    _check_array(x, "x", (_F32, _BF16), 2)
+    _check_array(x, "x", _X_DTYPES, 2)
+    dev = x.data.device_id  # the current device: the check compared them
     n, h = x.shape
-    check_hidden(f, h, "x.shape[1]")
+    key = (f, h, x.dtype, dev)
+    plan = _quantize_plans.get(key)
+    if plan is None:  # once per (format, H, dtype, device): the sizes and the prepared launch
+        check_hidden(f, h, "x.shape[1]")
+        launch = None
+        if not (f.name == "bf16" and x.dtype == _BF16):
+            launch = _prepare("quantize.cu", f"quantize_{f.name}_{_DTYPE_SUFFIX[x.dtype]}", "PPPqif", dev)
+        plan = _quantize_plans[key] = (f.payload_bytes(h), f.scale_bytes(h), ceil_div(h, _WARP * _LANE_VALUES),
+                                       launch)
     g = _check_global_scale(global_scale)
-    pshape, sshape = (n, f.payload_bytes(h)), (n, f.scale_bytes(h))
+    pbytes, sbytes, steps, launch = plan
+    pshape, sshape = (n, pbytes), (n, sbytes)
     if out is None:
         payload, scales = cupy.empty(pshape, _U8), cupy.empty(sshape, _U8)
     else:
         payload, scales = _check_out_tuple(out, "out", 2)
-        _check_array(payload, "out[0] (payload)", (_U8,), 2, pshape)
-        _check_array(scales, "out[1] (scales)", (_U8,), 2, sshape)
+        _check_array(payload, "out[0] (payload)", (_U8,), 2, pshape, dev=dev)
+        _check_array(scales, "out[1] (scales)", (_U8,), 2, sshape, dev=dev)
     if n == 0:
         return payload, scales
-    if f.name == "bf16" and x.dtype == _BF16:  # the bf16 "format" of bf16 input is the bytes themselves
+    if launch is None:  # the bf16 "format" of bf16 input is the bytes themselves
         payload[...] = x.view(_U8)
         return payload, scales
-    name = f"quantize_{f.name}_{_DTYPE_SUFFIX[x.dtype]}"
-    _launch("quantize.cu", name, _warp_item_blocks(n, h), "PPPqif", x.data.ptr, payload.data.ptr, scales.data.ptr,
-            n, h, g)
+    fn, max_grid = launch
+    fn(min(ceil_div(n * steps, _THREADS // _WARP), max_grid), x.data.ptr, payload.data.ptr, scales.data.ptr, n, h, g)
     return payload, scales
 
 
@@ -376,51 +412,60 @@ def fused_silu(h: cupy.ndarray, row_offsets: cupy.ndarray, out_fmt: str = "bf16"
     """
     cupy = _cp()
     f = get_format(out_fmt, "out_fmt")
-    _check_array(h, "h", (_F32, _BF16), 2)
+    _check_array(h, "h", _X_DTYPES, 2)
+    dev = h.data.device_id  # the current device: the check compared them
     cap, width = h.shape
-    if width % 2:
-        raise ValueError(f"h must be [capacity, 2I] with an even width, got shape {h.shape}")
-    inter = width // 2
-    check_hidden(f, inter, "h.shape[1] // 2 (I)")
+    ro, n_groups = _check_row_offsets(row_offsets, "h.shape[0] (capacity)", cap, dev)
+    key = (f, h.dtype, cap, width, bool(interleaved), n_groups, dev)
+    plan = _silu_plans.get(key)
+    if plan is None:
+        plan = _silu_plans[key] = _silu_plan(f, h, bool(interleaved), n_groups, dev)
     g = _check_global_scale(global_scale)
-    ro, n_groups = _check_row_offsets(row_offsets, "h.shape[0] (capacity)", cap)
-
-    u8 = _U8
-    if f.name == "bf16":
-        shapes = [((cap, inter), _BF16)]
-    elif f.name == "fp8":
-        shapes = [((cap, inter), u8), ((f.n_scales(inter), cap), _F32)]
-    else:
-        max_tiles = _swizzle_tiles(cap, n_groups)
-        shapes = [((cap, f.payload_bytes(inter)), u8),
-                  ((max_tiles * f.scale_k_tiles(inter) * SCALE_TILE_BYTES,), u8), ((n_groups,), _U32)]
+    shapes, names, fn, grid, max_tiles = plan
     if out is None:
         outs = [cupy.empty(s, d) for s, d in shapes]
     else:
-        if f.name == "bf16":
-            outs = [out]
-            names = ["out"]
-        else:
-            outs = list(_check_out_tuple(out, "out", len(shapes)))
-            names = [f"out[{i}] ({n})" for i, n in enumerate(("payload", "scales", "scales_offsets"))]
+        outs = [out] if f.name == "bf16" else _check_out_tuple(out, "out", len(shapes))
         for a, (s, d), nm in zip(outs, shapes, names):
-            _check_array(a, nm, (d,), len(s), s)
-
+            _check_array(a, nm, (d,), len(s), s, dev=dev)
     result = outs[0] if f.name == "bf16" else tuple(outs)
     if cap == 0:
         return result
     dummy = outs[0]  # unused pointer arguments still need a valid array
     scales = outs[1] if len(outs) > 1 else dummy
     scales_offsets = outs[2] if len(outs) > 2 else dummy
+    fn(grid, h.data.ptr, ro.data.ptr, n_groups, cap, width // 2, outs[0].data.ptr, scales.data.ptr,
+       scales_offsets.data.ptr, max_tiles, g)
+    return result
+
+
+def _silu_plan(f: Format, h, interleaved: bool, n_groups: int, dev: int) -> tuple:
+    """What fused_silu derives from its arguments' shapes, once per signature: (output shapes and dtypes, their
+    names in messages, the prepared launch, its grid, the swizzled layout's tile count)."""
+    cap, width = h.shape
+    if width % 2:
+        raise ValueError(f"h must be [capacity, 2I] with an even width, got shape {h.shape}")
+    inter = width // 2
+    check_hidden(f, inter, "h.shape[1] // 2 (I)")
+    if f.name == "bf16":
+        shapes = (((cap, inter), _BF16),)
+        names = ("out",)
+    elif f.name == "fp8":
+        shapes = (((cap, inter), _U8), ((f.n_scales(inter), cap), _F32))
+    else:
+        shapes = (((cap, f.payload_bytes(inter)), _U8),
+                  ((_swizzle_tiles(cap, n_groups) * f.scale_k_tiles(inter) * SCALE_TILE_BYTES,), _U8),
+                  ((n_groups,), _U32))
+    if f.name != "bf16":
+        names = tuple(f"out[{i}] ({n})" for i, n in enumerate(("payload", "scales", "scales_offsets")[:len(shapes)]))
     max_tiles = _swizzle_tiles(cap, n_groups) if f.swizzled_scales else 0
     smem = _silu_ring_bytes() + (2 * (n_groups + 1) * 4 if f.swizzled_scales else 0)
-    name = f"fused_silu_{f.name}_{_DTYPE_SUFFIX[h.dtype]}" + ("_interleaved" if bool(interleaved) else "")
+    name = f"fused_silu_{f.name}_{_DTYPE_SUFFIX[h.dtype]}" + ("_interleaved" if interleaved else "")
     work = _warp_item_blocks(cap, inter)
     if f.swizzled_scales:
         work = max(work, ceil_div(n_groups * f.scale_k_tiles(inter) * SCALE_TILE_ROWS, _THREADS))
-    _launch("silu.cu", name, work, "PPiqiPPPqf", h.data.ptr, ro.data.ptr, n_groups, cap, inter, outs[0].data.ptr,
-            scales.data.ptr, scales_offsets.data.ptr, max_tiles, g, smem=smem)
-    return result
+    fn, max_grid = _prepare("silu.cu", name, "PPiqiPPPqf", dev, smem)
+    return shapes, names, fn, max(1, min(work, max_grid)), max_tiles
 
 
 # ---- self tests of the device helpers (private; tests/test_ops_gpu.py) ----------------------------------------
