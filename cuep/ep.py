@@ -335,8 +335,7 @@ class _Host:
         self.cdt = _bf16() if cfg.combine_dtype == "bfloat16" else _F32
         self.combine_suffix = "bf16" if cfg.combine_dtype == "bfloat16" else "f32"
         self.where = f"(cfg.combine_dtype={cfg.combine_dtype!r})"
-        # a one-rank group's fused calls take the one-rank kernels (a small round in any format, a larger bf16 one;
-        # larger quantized rounds keep the protocol: dispatch.cu says why)
+        # a one-rank group's fused calls take the one-rank kernels (a small round or a larger one, any format)
         self.one_rank, self.small = cfg.n_ranks == 1, cfg.small_batch_tokens
         self.offsets_smem = _a16(4 * (cfg.n_groups + 1))  # the one-rank combine's copy of row_offsets
         # a Dispatched's first fields per rank (its persistent outputs and rank), the launches of each dispatch
@@ -406,7 +405,7 @@ def _prepared(buf: Buffer, i: int, name: str, threads: int, smem: int):
 
 def _dispatch_plan(buf: Buffer, host: _Host, i: int, ph: int, src: str, route: int):
     """The prepared launch of local rank ``i``'s dispatch of phases ``ph`` from ``src`` input by ``route``: 0 the
-    protocol's kernel; 1 a small one-rank round; 2 a larger one-rank bf16 round (cuda_src/dispatch/local.cuh).
+    protocol's kernel; 1 a small one-rank round; 2 a larger one-rank round (cuda_src/dispatch/local.cuh).
     Worked out once per key, then reused."""
     key = (i, ph, src, route)
     launch = host.plans.get(key)
@@ -529,9 +528,9 @@ def _dispatch(buf: Buffer, x, topk_ids, topk_weights, global_scale: float, phase
                 dev = r.device
             x, w, num = xs[i], ws[i], results[i].num_tokens
             src = "bf16" if x.dtype == bf16 else "f32"
-            route = 0  # the protocol; one rank (cuda_src/dispatch/local.cuh): a small round (1), a larger bf16 one
-            if host.one_rank and ph == _PHASES_ALL:  # (2), a larger quantized one: the protocol
-                route = 1 if (host.small and num <= host.small) else (2 if host.fmt == "bf16" else 0)
+            route = 0  # the protocol; one rank (cuda_src/dispatch/local.cuh): a small round (1), a larger one (2)
+            if host.one_rank and ph == _PHASES_ALL:
+                route = 1 if (host.small and num <= host.small) else 2
             call = (x.data.ptr, ids[i].data.ptr, 0 if w is None else w.data.ptr)
             tail = (num, global_scale, ph | local_x)
             launch = host.plans.get((i, ph, src, route)) or _dispatch_plan(buf, host, i, ph, src, route)

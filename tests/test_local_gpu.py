@@ -1,7 +1,7 @@
 """The one-rank kernels (cuda_src/dispatch/local.cuh, combine/local.cuh): a group of one rank runs a fused dispatch
-without protocol (one launch up to small_batch_tokens tokens, three above), and its combine (fused or halves) sums
-straight from expert_out. Every output against cuep.reference, mixed with protocol rounds (the dispatch halves) on
-the same buffer, every combine mode, bad routing reported, and a CUDA graph replay."""
+without protocol (one launch: a small round up to small_batch_tokens tokens, a larger one above), and its combine
+(fused or halves) sums straight from expert_out. Every output against cuep.reference, mixed with protocol rounds (the
+dispatch halves) on the same buffer, every combine mode, bad routing reported, and a CUDA graph replay."""
 from __future__ import annotations
 
 import numpy as np
@@ -31,7 +31,7 @@ def local_launches(buf, op: str = "dispatch") -> int:
 @pytest.mark.parametrize("shared", [False, True], ids=["routed", "shared_expert"])
 def test_local_rounds_match_reference(fmt, shared, rng):
     cfg, buf = make(dispatch_format=fmt, fused_shared_expert=shared)
-    # 0, 1, some, exactly small_batch_tokens (small); 33 and 48 > 32 (larger: bf16 one-rank); the halves: protocol
+    # 0, 1, some, exactly small_batch_tokens (small); 33 and 48 > 32 (larger); the halves: protocol
     for n in (1, 0, 7, 32, 48, 33, 32, 1):
         run_round(buf, cfg, rng, [n], weights_at="dispatch")
     run_round(buf, cfg, rng, [32], weights_at="combine", residual=True)
@@ -39,7 +39,7 @@ def test_local_rounds_match_reference(fmt, shared, rng):
     run_round(buf, cfg, rng, [20], skew=True, dtype=np.dtype(np.float32))
     run_round(buf, cfg, rng, [12], async_halves=True)  # two launches: the protocol's halves
     run_round(buf, cfg, rng, [12], bare=True)
-    assert local_launches(buf) >= (3 if fmt == "bf16" else 2)  # small (and bf16 larger) rounds, bf16 / f32 input
+    assert local_launches(buf) >= 3  # small and larger rounds, bf16 / f32 input
     assert local_launches(buf, "combine") == 1
     buf.close()
 
@@ -47,15 +47,31 @@ def test_local_rounds_match_reference(fmt, shared, rng):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_larger_local_rounds(fmt, rng):
-    # small rounds off: every fused bf16 round takes the larger one-rank kernel (count, the last block lays out,
-    # place), skewed routing too; quantized ones keep the protocol
+    # small rounds off: every fused round takes the larger one-rank kernel (count, the last block lays out, place;
+    # scales placed per row: below the gather's size), skewed routing too
     cfg, buf = make(dispatch_format=fmt, small_batch_tokens=0, max_tokens_per_rank=300, fused_shared_expert=True)
     for n, skew in ((300, False), (0, False), (1, False), (257, True), (64, False)):
         run_round(buf, cfg, rng, [n], skew=skew)
     run_round(buf, cfg, rng, [100], weights_at="combine", residual=True)
     run_round(buf, cfg, rng, [100], weights_at=None)
-    one_rank = fmt == "bf16"
-    assert local_launches(buf) == int(one_rank) and local_launches(buf, "combine") == int(one_rank)
+    assert local_launches(buf) == 1 and local_launches(buf, "combine") == 1
+    buf.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "mxfp4"])
+def test_larger_local_rounds_gather_scales(fmt, rng):
+    # output scales of 2 MiB and more (dispatch/scales.cuh kGatherScalesFrom): each token's scales stored once, every
+    # row's noted, gathered into the layout in whole lines after a barrier of the blocks; rounds in a row (the
+    # barrier's counter re-armed), a shared expert, skewed routing, float32 input, then a small round and one under
+    # the gather's size on the same buffer
+    cfg, buf = make(dispatch_format=fmt, hidden=7168, n_experts=32, max_tokens_per_rank=1600, small_batch_tokens=16,
+                    fused_shared_expert=True)
+    for n, skew, dtype in ((1600, False, None), (1500, True, None), (1280, False, np.dtype(np.float32)),
+                           (16, False, None), (100, False, None)):
+        kw = {} if dtype is None else {"dtype": dtype}
+        run_round(buf, cfg, rng, [n], skew=skew, **kw)
+    assert local_launches(buf) == 3 and local_launches(buf, "combine") == 1
     buf.close()
 
 

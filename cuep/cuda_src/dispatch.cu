@@ -113,9 +113,7 @@ CUEP_DISPATCH(cuep_dispatch_mxfp4_from_f32, kFmtMxfp4, float)
 
 // The one-rank rounds (dispatch/local.cuh), kernels of their own so that neither path's registers limit the other's.
 // cuep/ep.py launches them for a fused call when the group is one rank: a small round (cuep_dispatch_local_*) or a
-// larger bf16 one (cuep_dispatch_local_large_bf16_*), one launch each. Larger quantized rounds keep the protocol,
-// whose scales are gathered in whole lines: placed row by row they measured slower (H100, N = 4096: fp8 181
-// against 164 us, nvfp4 200 against 128, mxfp4 131 against 123; bf16 221 against 244).
+// larger one (cuep_dispatch_local_large_*), one launch each.
 #define CUEP_LOCAL_KERNEL(NAME)                                                                              \
     extern "C" __global__ void __launch_bounds__(cuep::kDispatchThreads, 1)                                  \
         NAME(const __grid_constant__ cuep::DispatchParams params)
@@ -127,12 +125,12 @@ CUEP_DISPATCH(cuep_dispatch_mxfp4_from_f32, kFmtMxfp4, float)
             !cuep::has_failed(params.ep))                                                                    \
             cuep::dispatch_local<cuep::FMT, T, true>(params.ep, call, smem);                                  \
     }
-#define CUEP_DISPATCH_LOCAL_LARGE(SRC_NAME, T)                                                               \
-    CUEP_LOCAL_KERNEL(cuep_dispatch_local_large_bf16_from_##SRC_NAME) {                                      \
+#define CUEP_DISPATCH_LOCAL_LARGE(FMT_NAME, SRC_NAME, FMT, T)                                                \
+    CUEP_LOCAL_KERNEL(cuep_dispatch_local_large_##FMT_NAME##_from_##SRC_NAME) {                              \
         extern __shared__ __align__(16) char smem[];                                                         \
         const cuep::DispatchArgs call = params.call;                                                         \
         if (cuep::local_round(params.ep, call.phases) && !cuep::has_failed(params.ep))                       \
-            cuep::dispatch_local_large<T>(params.ep, call, smem);                                             \
+            cuep::dispatch_local_large<cuep::FMT, T>(params.ep, call, smem);                                  \
     }
 
 CUEP_DISPATCH_LOCAL(bf16, bf16, kFmtBf16, cuep::bf16_t)
@@ -144,5 +142,11 @@ CUEP_DISPATCH_LOCAL(nvfp4, f32, kFmtNvfp4, float)
 CUEP_DISPATCH_LOCAL(mxfp4, bf16, kFmtMxfp4, cuep::bf16_t)
 CUEP_DISPATCH_LOCAL(mxfp4, f32, kFmtMxfp4, float)
 
-CUEP_DISPATCH_LOCAL_LARGE(bf16, cuep::bf16_t)
-CUEP_DISPATCH_LOCAL_LARGE(f32, float)
+CUEP_DISPATCH_LOCAL_LARGE(bf16, bf16, kFmtBf16, cuep::bf16_t)
+CUEP_DISPATCH_LOCAL_LARGE(bf16, f32, kFmtBf16, float)
+CUEP_DISPATCH_LOCAL_LARGE(fp8, bf16, kFmtFp8, cuep::bf16_t)
+CUEP_DISPATCH_LOCAL_LARGE(fp8, f32, kFmtFp8, float)
+CUEP_DISPATCH_LOCAL_LARGE(nvfp4, bf16, kFmtNvfp4, cuep::bf16_t)
+CUEP_DISPATCH_LOCAL_LARGE(nvfp4, f32, kFmtNvfp4, float)
+CUEP_DISPATCH_LOCAL_LARGE(mxfp4, bf16, kFmtMxfp4, cuep::bf16_t)
+CUEP_DISPATCH_LOCAL_LARGE(mxfp4, f32, kFmtMxfp4, float)

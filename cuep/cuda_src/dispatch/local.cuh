@@ -2,10 +2,13 @@
 // or wait for, so no flags, fences, readiness or round counters.
 //   small round (N <= small_batch_tokens), one launch: every block lays the round out by itself from topk_ids (the
 //     round's book, in shared memory: local_book) and places its share of the rows;
-//   larger bf16 rounds, one launch (dispatch_local_large): every block counts its share (local_count: validity, a
+//   larger rounds, one launch (dispatch_local_large): every block counts its share (local_count: validity, a
 //     position per choice from the histogram's atomics); the last block to finish lays the groups out
 //     (local_groups: the outputs' offsets, the histogram re-armed) and publishes them, the others wait for it; then
-//     the same placement as a small round with the layout read back (larger quantized rounds: dispatch.cu).
+//     the same placement as a small round with the layout read back. A larger round whose output scales span
+//     kGatherScalesFrom bytes stores each token's scales once, in its record of the meta region, notes every row's
+//     (scale_rows, as the protocol's large rounds do) and gathers them into the output in whole lines once every
+//     block is done (blocks_barrier on C_LOCAL_NOTED, zeroed by the layout's block).
 // Outputs as the protocol's (rows of an expert in any order, padding, scales). Each choice's position in its group
 // goes to local_choice_pos for the one-rank combine (combine/local.cuh); the protocol's combine handle is not
 // written: a one-rank round's combine, fused or in halves, is the one-rank combine.
@@ -29,6 +32,11 @@ __device__ __forceinline__ long long local_layout_bytes(const EPParams& ep, bool
 }
 // A larger round's per-expert row counts, from local_groups to the placement: after the positions in the scratch.
 __device__ __forceinline__ int* local_counts(const EPParams& ep) { return local_choice_pos(ep) + ep.max_tokens * ep.top_k; }
+// Where a larger round that gathers its scales keeps token t's (its record's scales in the meta region, which a
+// one-rank group's messages never use).
+__device__ __forceinline__ uint8_t* local_scale_record(const EPParams& ep, int t) {
+    return reinterpret_cast<uint8_t*>(message_meta(ep, static_cast<int>(ep.rank), false, 0, 0, t) + ep.meta_scales);
+}
 
 // The groups' first rows (shared expert first, each group padded to the row alignment) from the row count of each
 // local expert (`count(l)`), and for fp4 their first scale tiles. All threads of the block.
@@ -203,20 +211,29 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
                 }
             }
         }
-    } else {
+    }
+    __shared__ unsigned s_tiles_end;  // (larger rounds) the scale tiles used
+    if constexpr (!kBook) {
         for (int g = threadIdx.x; g <= G; g += blockDim.x) s_offsets[g] = a.row_offsets[g];
         for (int l = threadIdx.x; l < L; l += blockDim.x) s_count[l] = local_counts(ep)[l];
         __syncthreads();
-        __shared__ unsigned s_tiles_end;
         if (kTiled && threadIdx.x < kWarp) scan_scale_tiles(s_offsets, G, s_tiles, &s_tiles_end);
         __syncthreads();
     }
     auto count_of = [&](int l) { return kBook ? book_count(l) : s_count[l]; };
+    // A larger round's scales, when they span kGatherScalesFrom bytes of the output: noted per row and gathered at
+    // the end (the same decision in every block: it reads the shared layout).
+    bool defer = false;
+    if constexpr (!kBook && FMT != kFmtBf16) {
+        const long long out_bytes = kTiled ? static_cast<long long>(s_tiles_end) * kScaleTileRows * ep.k_tiles * 4
+                                           : static_cast<long long>(s_offsets[G]) * ep.n_scales * 4;
+        defer = out_bytes >= kGatherScalesFrom;
+    }
 
     // 2. Padding, a group per block.
     for (int g = blockIdx.x; g < G; g += gridDim.x) {
         const unsigned used = s_offsets[g] + (sh && g == 0 ? s_shared_n : count_of(g - sh));
-        pad_group<FMT>(ep, a, s_offsets, s_tiles, g, used, false);
+        pad_group<FMT>(ep, a, s_offsets, s_tiles, g, used, defer);
     }
 
     // 3. Items (token, chunk of whole 256-value spans), one warp each, consecutive items on different blocks: encode
@@ -278,7 +295,23 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
                 v.store(tokens + __shfl_sync(0xffffffffu, row, __ffs(rest) - 1) * pb + b, n, lane);
             if (shared) v.store(tokens + srow * pb + b, n, lane);
         }
-        if (sb) {
+        if (sb && defer) {
+            // the chunk's scale bytes into the token's record (whole words when the row's scales are), its rows'
+            // scale rows noted once (chunk 0)
+            uint8_t* rec = local_scale_record(ep, t);
+            const int s_end = last ? sb : s_hi;
+            if (sb % 4 == 0) {
+                for (int b = s_lo + 4 * lane; b < s_end; b += 4 * kWarp)
+                    *reinterpret_cast<uint32_t*>(rec + b) = *reinterpret_cast<const uint32_t*>(s_scales + b);
+            } else {
+                for (int b = s_lo + lane; b < s_end; b += kWarp) rec[b] = s_scales[b];
+            }
+            if (ch == 0) {
+                const uint32_t ref = scale_ref(ep, rec);
+                if (row >= 0) scale_rows(ep)[kTiled ? swizzle_row(s_tiles, s_offsets, g, row) : row] = ref;
+                if (shared && lane == 0) scale_rows(ep)[srow] = ref;
+            }
+        } else if (sb) {
             const int b_lo = s_lo / int(sizeof(S)), b_hi = last ? (1 << 30) : s_hi / int(sizeof(S));
             for (unsigned rest = rows; rest; rest &= rest - 1) {
                 const int k = __ffs(rest) - 1;
@@ -305,23 +338,33 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
         }
         __syncwarp();  // the staging is reused by the warp's next item
     }
+
+    // 4. (deferred) The scales in whole lines, once every block has stored its tokens' and noted its rows'.
+    if (defer) {
+        __shared__ int s_ok;
+        if (!blocks_barrier(ep, ep.counters() + C_LOCAL_NOTED, static_cast<int>(gridDim.x), K_DISPATCH_SEND, &s_ok))
+            return;
+        gather_scales<FMT>(ep, a, 0, kTiled ? s_tiles_end : s_offsets[G], warp * static_cast<int>(gridDim.x) +
+                           static_cast<int>(blockIdx.x), static_cast<int>(grid_warps), lane);
+    }
 }
 
-// ---- a larger bf16 round in one launch ---------------------------------------------------------------------------
+// ---- a larger round in one launch -------------------------------------------------------------------------------
 // Count, then the last block to finish lays the groups out and advances C_LOCAL_GEN; the other blocks wait
 // (bounded) for it to move past the value they read before arriving (it cannot move earlier: it moves only once every
 // block has arrived), then every block places its share with the layout read back.
-template <typename T>
+template <int FMT, typename T>
 __device__ void dispatch_local_large(const EPParams& ep, const DispatchArgs& a, char* smem) {
     int* ctr = ep.counters();
     __shared__ int s_gen, s_last, s_ok;
     if (threadIdx.x == 0) s_gen = load_acquire_i32(ctr + C_LOCAL_GEN);
     local_count(ep, a);
     if (last_block_done(ctr + C_LOCAL_DONE, &s_last)) {
-        local_groups<kFmtBf16>(ep, a, smem);
+        local_groups<FMT>(ep, a, smem);
         __syncthreads();
         if (threadIdx.x == 0) {
             ctr[C_LOCAL_DONE] = 0;
+            ctr[C_LOCAL_NOTED] = 0;  // (the previous launch's blocks are all past its barrier)
             __threadfence();  // the layout (row_offsets, local_counts) and the re-armed histogram before the news
             store_release_gpu_i32(ctr + C_LOCAL_GEN, s_gen + 1);
         }
@@ -338,7 +381,7 @@ __device__ void dispatch_local_large(const EPParams& ep, const DispatchArgs& a, 
         __syncthreads();
         if (!s_ok) return;
     }
-    dispatch_local<kFmtBf16, T, false>(ep, a, smem);
+    dispatch_local<FMT, T, false>(ep, a, smem);
 }
 
 }  // namespace cuep
