@@ -20,25 +20,32 @@ __device__ void combine_local(const EPParams& ep, const CombineArgs& a) {
     TC* out = static_cast<TC*>(a.out);
     const int* pos = local_choice_pos(ep);
     const int L = static_cast<int>(ep.n_local), first = static_cast<int>(ep.rank) * L - (shared ? 1 : 0);
-    // the groups' first rows, in shared memory (cuep/ep.py gives G + 1 words)
-    extern __shared__ unsigned s_offsets[];
-    for (int g = threadIdx.x; g <= ep.n_groups; g += blockDim.x) s_offsets[g] = a.row_offsets[g];
-    __syncthreads();
     // items (token, chunk of 16-byte vectors), one warp each, consecutive items on different blocks
     const int kChunkVecs = static_cast<int>(chunk_units(N, n_vec, kWarp));
     const int n_chunks = (n_vec + kChunkVecs - 1) / kChunkVecs;
     const long long grid_warps = static_cast<long long>(gridDim.x) * (blockDim.x / kWarp);
-    // (N * n_chunks fits an int: chunks split a token only while warps outnumber tokens)
-    for (int item = static_cast<int>(threadIdx.x / kWarp * gridDim.x + blockIdx.x); item < N * n_chunks;
-         item += static_cast<int>(grid_warps)) {
+    // lane k: choice k's position and expert, both loaded at once (neither address depends on the other); the
+    // warp's first item's before the barrier below, so that they travel with row_offsets
+    const int n_items = N * n_chunks;  // (fits an int: chunks split a token only while warps outnumber tokens)
+    const int* ids = a.topk_ids;
+    int item = static_cast<int>(threadIdx.x / kWarp * gridDim.x + blockIdx.x);
+    auto choice = [pos, ids, n_chunks, n_items, K, lane](int it, int& p, int& e) {
+        const bool here = lane < K && it < n_items;
+        const long long c = static_cast<long long>(it / n_chunks) * K + lane;
+        p = here ? pos[c] : -1;
+        e = here ? ids[c] : 0;
+    };
+    int p_next, e_next;
+    choice(item, p_next, e_next);
+    // the groups' first rows, in shared memory (cuep/ep.py gives G + 1 words)
+    extern __shared__ unsigned s_offsets[];
+    for (int g = threadIdx.x; g <= ep.n_groups; g += blockDim.x) s_offsets[g] = a.row_offsets[g];
+    __syncthreads();
+    for (; item < n_items; item += static_cast<int>(grid_warps)) {
         const int t = item / n_chunks, ch = item % n_chunks;
         const int c_begin = ch * kChunkVecs, c_end = min(n_vec, c_begin + kChunkVecs);
-        int row = -1;  // lane k: choice k's row
-        if (lane < K) {
-            const long long c = static_cast<long long>(t) * K + lane;
-            const int p = pos[c];
-            if (p >= 0) row = static_cast<int>(s_offsets[a.topk_ids[c] - first]) + p;
-        }
+        const int row = p_next >= 0 ? static_cast<int>(s_offsets[e_next - first]) + p_next : -1;  // lane k: choice k's
+        choice(item + static_cast<int>(grid_warps), p_next, e_next);  // the warp's next item's, in flight meanwhile
         const unsigned valid = __ballot_sync(0xffffffffu, row >= 0);
         if (a.mode == kUnreduced) {
             const int width = K + (shared ? 1 : 0), span = c_end - c_begin;
@@ -67,18 +74,21 @@ __device__ void combine_local(const EPParams& ep, const CombineArgs& a) {
             const int c = c0 + lane;
             float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
             for (unsigned mk = valid; mk;) {  // 4 rows' loads in flight, summed in k order
-                int rk[4];
+                int rk[4], kk[4];
                 float wk[4], v[4][8];
 #pragma unroll
                 for (int u = 0; u < 4; ++u) {
-                    const int k = mk ? __ffs(mk) - 1 : 0;
-                    rk[u] = mk ? __shfl_sync(0xffffffffu, row, k) : -1;
-                    wk[u] = __shfl_sync(0xffffffffu, w, k);
+                    kk[u] = mk ? __ffs(mk) - 1 : 0;
+                    rk[u] = mk ? __shfl_sync(0xffffffffu, row, kk[u]) : -1;
                     if (mk) mk &= mk - 1;
                 }
 #pragma unroll
                 for (int u = 0; u < 4; ++u)
                     if (rk[u] >= 0 && c < c_end) load8f(eo + static_cast<long long>(rk[u]) * H + 8 * c, v[u]);
+                // the weights after the rows' loads are issued (a partial's weight is read through its row: its load
+                // then overlaps theirs)
+#pragma unroll
+                for (int u = 0; u < 4; ++u) wk[u] = __shfl_sync(0xffffffffu, w, kk[u]);
 #pragma unroll
                 for (int u = 0; u < 4; ++u) {
                     if (rk[u] < 0 || c >= c_end) continue;
