@@ -94,22 +94,26 @@ __device__ __forceinline__ void dispatch_kernel(const EPParams& ep, const Dispat
 
 }  // namespace cuep
 
-// Every kernel takes one DispatchParams (ep/params.cuh) by value; cuep/params.py builds it.
-#define CUEP_DISPATCH(NAME, FMT, T)                                                                          \
+// Every kernel takes one DispatchParams (ep/params.cuh) by value; cuep/params.py builds it. Each kernel family below
+// has one entry per (wire format, input dtype): CUEP_EACH_DISPATCH(X) calls X(format name, source name, format, T).
+#define CUEP_EACH_DISPATCH(X)                                                                                \
+    X(bf16, bf16, kFmtBf16, cuep::bf16_t)                                                                    \
+    X(bf16, f32, kFmtBf16, float)                                                                            \
+    X(fp8, bf16, kFmtFp8, cuep::bf16_t)                                                                      \
+    X(fp8, f32, kFmtFp8, float)                                                                              \
+    X(nvfp4, bf16, kFmtNvfp4, cuep::bf16_t)                                                                  \
+    X(nvfp4, f32, kFmtNvfp4, float)                                                                          \
+    X(mxfp4, bf16, kFmtMxfp4, cuep::bf16_t)                                                                  \
+    X(mxfp4, f32, kFmtMxfp4, float)
+
+// The protocol (cuep_dispatch_<format>_from_<source>).
+#define CUEP_DISPATCH(FMT_NAME, SRC_NAME, FMT, T)                                                            \
     extern "C" __global__ void __launch_bounds__(cuep::kDispatchThreads)                                     \
-        NAME(const __grid_constant__ cuep::DispatchParams params) {                                          \
+        cuep_dispatch_##FMT_NAME##_from_##SRC_NAME(const __grid_constant__ cuep::DispatchParams params) {    \
         const cuep::DispatchArgs call = params.call; /* in registers: immutable through every fence */       \
         cuep::dispatch_kernel<cuep::FMT, T>(params.ep, call);                                                 \
     }
-
-CUEP_DISPATCH(cuep_dispatch_bf16_from_bf16, kFmtBf16, cuep::bf16_t)
-CUEP_DISPATCH(cuep_dispatch_bf16_from_f32, kFmtBf16, float)
-CUEP_DISPATCH(cuep_dispatch_fp8_from_bf16, kFmtFp8, cuep::bf16_t)
-CUEP_DISPATCH(cuep_dispatch_fp8_from_f32, kFmtFp8, float)
-CUEP_DISPATCH(cuep_dispatch_nvfp4_from_bf16, kFmtNvfp4, cuep::bf16_t)
-CUEP_DISPATCH(cuep_dispatch_nvfp4_from_f32, kFmtNvfp4, float)
-CUEP_DISPATCH(cuep_dispatch_mxfp4_from_bf16, kFmtMxfp4, cuep::bf16_t)
-CUEP_DISPATCH(cuep_dispatch_mxfp4_from_f32, kFmtMxfp4, float)
+CUEP_EACH_DISPATCH(CUEP_DISPATCH)
 
 // The one-rank rounds (dispatch/local.cuh), kernels of their own so that neither path's registers limit the other's.
 // cuep/ep.py launches them for a fused call when the group is one rank: a small round (cuep_dispatch_local_*) or a
@@ -132,21 +136,5 @@ CUEP_DISPATCH(cuep_dispatch_mxfp4_from_f32, kFmtMxfp4, float)
         if (cuep::local_round(params.ep, call.phases) && !cuep::has_failed(params.ep))                       \
             cuep::dispatch_local_large<cuep::FMT, T>(params.ep, call, smem);                                  \
     }
-
-CUEP_DISPATCH_LOCAL(bf16, bf16, kFmtBf16, cuep::bf16_t)
-CUEP_DISPATCH_LOCAL(bf16, f32, kFmtBf16, float)
-CUEP_DISPATCH_LOCAL(fp8, bf16, kFmtFp8, cuep::bf16_t)
-CUEP_DISPATCH_LOCAL(fp8, f32, kFmtFp8, float)
-CUEP_DISPATCH_LOCAL(nvfp4, bf16, kFmtNvfp4, cuep::bf16_t)
-CUEP_DISPATCH_LOCAL(nvfp4, f32, kFmtNvfp4, float)
-CUEP_DISPATCH_LOCAL(mxfp4, bf16, kFmtMxfp4, cuep::bf16_t)
-CUEP_DISPATCH_LOCAL(mxfp4, f32, kFmtMxfp4, float)
-
-CUEP_DISPATCH_LOCAL_LARGE(bf16, bf16, kFmtBf16, cuep::bf16_t)
-CUEP_DISPATCH_LOCAL_LARGE(bf16, f32, kFmtBf16, float)
-CUEP_DISPATCH_LOCAL_LARGE(fp8, bf16, kFmtFp8, cuep::bf16_t)
-CUEP_DISPATCH_LOCAL_LARGE(fp8, f32, kFmtFp8, float)
-CUEP_DISPATCH_LOCAL_LARGE(nvfp4, bf16, kFmtNvfp4, cuep::bf16_t)
-CUEP_DISPATCH_LOCAL_LARGE(nvfp4, f32, kFmtNvfp4, float)
-CUEP_DISPATCH_LOCAL_LARGE(mxfp4, bf16, kFmtMxfp4, cuep::bf16_t)
-CUEP_DISPATCH_LOCAL_LARGE(mxfp4, f32, kFmtMxfp4, float)
+CUEP_EACH_DISPATCH(CUEP_DISPATCH_LOCAL)
+CUEP_EACH_DISPATCH(CUEP_DISPATCH_LOCAL_LARGE)
