@@ -14,6 +14,7 @@ SMALL_BATCH_MAX_EXPERTS = 1024  # n_experts: a token mask per expert in shared m
 SMALL_BATCH_MAX_MASK_BYTES = 65536  # n_experts x ceil(small_batch_tokens / 32) x 4: those token masks
 COMBINE_DTYPES = {"bfloat16": 2, "float32": 4}
 NOTIFY_RANGES = 256  # kNotifyRanges (ep/params.cuh): a large dispatch round numbers messages in this many token ranges
+LOCAL_HIST_STRIDE = 32  # kLocalHistStride (ep/state.cuh): ints between two experts' counts of a one-rank histogram
 COMBINE_POLL_TOKENS = 256  # tokens 0..255 of a bf16 partial-sum round in parity slots: the receiver polls the data
 
 
@@ -227,8 +228,9 @@ class EPConfig:
     @property
     def n_counters(self) -> int:
         """int32 counters private to a rank (cuda_src/ep/state.cuh, enum Counter): round, completion and work
-        counters (32 slots), then the per-expert histogram (E), which is also the slot counter of each expert."""
-        return 32 + self.n_experts
+        counters (32 slots), then the per-expert histogram (E), which is also the slot counter of each expert, then
+        a larger one-rank round's histogram by parity (2 x E counts, :data:`LOCAL_HIST_STRIDE` ints apart)."""
+        return 32 + self.n_experts * (1 + 2 * LOCAL_HIST_STRIDE)
 
     @property
     def combine_poll_tokens(self) -> int:

@@ -266,8 +266,8 @@ def _local_layout_bytes(cfg) -> int:
 
 
 def _local_groups_bytes(cfg) -> int:
-    """Shared memory of a larger one-rank round's layout (local_groups, and the placement before its staging): the
-    groups' first rows [G + 1] and first scale tiles [G], the local experts' row counts [L]."""
+    """Shared memory of a larger one-rank round's layout (the placement before its staging): the groups' first rows
+    [G + 1] and first scale tiles [G], the local experts' row counts [L] (before them, the count's histogram)."""
     return _a16(4 * (cfg.n_groups + 1)) + _a16(4 * cfg.n_groups) + _a16(4 * cfg.n_local_experts)
 
 

@@ -103,6 +103,8 @@ def test_header_constants_match_python():
     assert int(ep_h["kNotifyRanges"]) == config.NOTIFY_RANGES  # sizes the dispatch scratch
     assert int(ep_h["kNotifyRanges"]) % 32 == 0  # the last notify block scans them a warp at a time
     assert int(ep_h["kMaxRanks"]) == config.MAX_GPUS_PER_NODE
+    state_h = _cuh_constants((_kernels.SRC_DIR / "ep" / "state.cuh").read_text())
+    assert int(state_h["kLocalHistStride"]) == config.LOCAL_HIST_STRIDE  # sizes the counters region
 
 
 def test_phase_bits_match_python():

@@ -22,15 +22,20 @@ enum Counter : int {
     C_ERROR = 11,         // nonzero once any kernel of this rank reported an error (first one wins)
     C_DONE_NOTIFY = 12,   // blocks done with a phase (last one finishes the phase and resets it)
     C_CRECV_COUNT = 13,   // combine receive rounds completed
-    C_LOCAL_DONE = 14,    // blocks of a larger one-rank dispatch done counting (the last one lays out, resets it)
-    C_LOCAL_GEN = 15,     // larger one-rank dispatch rounds laid out (the others wait for it to advance)
+    C_LOCAL_DONE = 14,    // blocks of a larger one-rank dispatch done counting (the last one resets it)
+    C_LOCAL_GEN = 15,     // larger one-rank dispatch rounds counted (the others wait for it to advance)
     C_DONE_CRECV = 16,
-    C_LOCAL_NOTED = 17,   // blocks of a larger one-rank dispatch done noting its scale rows (zeroed at its layout)
+    C_LOCAL_NOTED = 17,   // blocks of a larger one-rank dispatch done noting its scale rows (zeroed once counted)
     C_CRECV_ITEM = 18,    // [2] next receive work item to claim (combine receive phase), by round parity
     C_ARRIVED_N = 20,     // [2] tokens of the last combine round of each parity (their arrival counts to re-arm)
     C_RECV_ITEM = 22,     // [2] next receive work item to claim (dispatch receive phase), by round parity
     C_HIST = 32,          // [E] this round's expert histogram (atomics on it also reserve each choice's slot)
+    // then [2][E x kLocalHistStride]: a larger one-rank dispatch round's histogram, by parity (local_hist)
 };
+// Ints between two experts' counters of a larger one-rank round's histogram (cuep/config.py LOCAL_HIST_STRIDE): one
+// 128-byte line each, so that the atomics on different experts' counts spread over the L2 instead of queueing on
+// the few lines a packed histogram spans.
+constexpr int kLocalHistStride = 32;
 
 // Kernel ids recorded in ErrorRecord.kernel.
 enum KernelId : int { K_DISPATCH_SEND = 1, K_DISPATCH_RECV = 2, K_COMBINE_SEND = 3, K_COMBINE_RECV = 4 };
