@@ -125,8 +125,8 @@ CUEP_EACH_DISPATCH(CUEP_DISPATCH)
     CUEP_LOCAL_KERNEL(cuep_dispatch_local_##FMT_NAME##_from_##SRC_NAME) {                                    \
         extern __shared__ __align__(16) char smem[];                                                         \
         const cuep::DispatchArgs call = params.call;                                                         \
-        if (cuep::local_round(params.ep, call.phases) && cuep::small_round(params.ep, call.num_tokens) &&     \
-            !cuep::has_failed(params.ep))                                                                    \
+        /* (the failed flag is checked inside, once the layout is built: its load then costs no latency) */     \
+        if (cuep::local_round(params.ep, call.phases) && cuep::small_round(params.ep, call.num_tokens))       \
             cuep::dispatch_local<cuep::FMT, T, true>(params.ep, call, smem);                                  \
     }
 #define CUEP_DISPATCH_LOCAL_LARGE(FMT_NAME, SRC_NAME, FMT, T)                                                \

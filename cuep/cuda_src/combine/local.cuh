@@ -12,6 +12,7 @@ namespace cuep {
 
 template <typename TC>
 __device__ void combine_local(const EPParams& ep, const CombineArgs& a) {
+    const bool failed = read_failed(ep);  // checked after the barrier below, before any store
     const int K = static_cast<int>(ep.top_k), H = static_cast<int>(ep.hidden), N = a.num_tokens;
     const int n_vec = H / 8, lane = threadIdx.x % kWarp;
     const bool shared = ep.shared != 0;
@@ -40,7 +41,10 @@ __device__ void combine_local(const EPParams& ep, const CombineArgs& a) {
     // the groups' first rows, in shared memory (cuep/ep.py gives G + 1 words)
     extern __shared__ unsigned s_offsets[];
     for (int g = threadIdx.x; g <= ep.n_groups; g += blockDim.x) s_offsets[g] = a.row_offsets[g];
+    __shared__ int s_failed;
+    note_failed(failed, &s_failed);
     __syncthreads();
+    if (s_failed) return;
     for (; item < n_items; item += static_cast<int>(grid_warps)) {
         const int t = item / n_chunks, ch = item % n_chunks;
         const int c_begin = ch * kChunkVecs, c_end = min(n_vec, c_begin + kChunkVecs);

@@ -80,14 +80,15 @@ __device__ void local_scan_groups(const EPParams& ep, int shared_n, Count count,
 // ---- small rounds: the book ----------------------------------------------------------------------------------
 // A small round's book for one rank, the same in every block (positions come from per-expert token masks, not from
 // atomics, so that every block agrees), in the SmallBook's shared memory (its expert, pos and bits arrays):
-//   0. the masks cleared while the ids load, a barrier;
+//   0. the masks cleared while the ids load (and `meanwhile()`, work that needs no book), a barrier;
 //   1. a W-lane segment per token (W a power of two >= K, lane k = choice k): validity with shuffles (block 0 reports
 //      bad choices), the choice's expert (kNoExpert if not valid), its token's bit set in its expert's mask; a barrier;
 //   2. each valid choice's position: the earlier tokens in its expert's mask. The group scan that follows reads the
 //      counts from the masks (mask_tokens); its barriers order these positions before the placement reads them.
 // (The protocol's small_bookkeeping also fills per-rank token masks and message counts a one-rank round does not use,
 // in four passes with a barrier after each.)
-__device__ void local_book(const EPParams& ep, const DispatchArgs& a, const SmallBook& b) {
+template <class Meanwhile>
+__device__ void local_book(const EPParams& ep, const DispatchArgs& a, const SmallBook& b, Meanwhile meanwhile) {
     const int E = static_cast<int>(ep.n_experts), K = static_cast<int>(ep.top_k);
     const int N = a.num_tokens, lane = threadIdx.x % kWarp;
     const bool report = blockIdx.x == 0;
@@ -105,6 +106,7 @@ __device__ void local_book(const EPParams& ep, const DispatchArgs& a, const Smal
         }
     };
     load(0);
+    meanwhile();
     for (int i = threadIdx.x; i < E * words; i += blockDim.x) b.bits[i] = 0u;
     __syncthreads();
     for (int t0 = 0; t0 < N; t0 += kLoads * per_pass) {
@@ -191,9 +193,55 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
     constexpr bool kTiled = FMT == kFmtNvfp4 || FMT == kFmtMxfp4;
     using S = typename FormatTraits<FMT>::Scale;
 
+    // (a small round: thread 0 reads the failed flag now, the block checks it once the layout is built)
+    const bool failed = kBook && read_failed(ep);
+    // Items (token, chunk of whole 256-value spans), one warp each, consecutive items on different blocks (step 3);
+    // their plan (a small round's once its ids are on their way: `plan`).
+    const int n_spans = (H + kWarpSpan - 1) / kWarpSpan;
+    const long long grid_warps = static_cast<long long>(gridDim.x) * n_warps;
+    int spans_per_chunk = 1, n_chunks = 1, n_items = 0;
+    auto plan = [&]() {
+        spans_per_chunk = static_cast<int>(max(chunk_units(N, n_spans, 1, grid_warps),
+                                               static_cast<long long>((n_spans + kMaxChunks - 1) / kMaxChunks)));
+        n_chunks = (n_spans + spans_per_chunk - 1) / spans_per_chunk;
+        n_items = N * n_chunks;  // (fits an int: chunks split a token only while warps outnumber tokens)
+    };
+    if (!kBook) plan();
+    const long long pb = ep.payload_bytes;
+    const int sb = static_cast<int>(ep.scale_bytes);
+    const long long staging = align_up(pb) + align_up(sb);
+    uint8_t* s_payload = reinterpret_cast<uint8_t*>(smem + local_layout_bytes(ep, kBook)) + warp * staging;
+    uint8_t* s_scales = s_payload + align_up(pb);
+    using Vectors = WarpVectors<4>;
+    constexpr bool kFromX = FMT == kFmtBf16 && sizeof(T) == 2;  // the payload is x itself
+    const int item0 = warp * static_cast<int>(gridDim.x) + static_cast<int>(blockIdx.x);
+    // A small round starts the warp's first item while the book's ids load (none of it needs the layout): bf16 from
+    // bf16 its first payload vectors into registers, other formats the chunk of x into L1 for the encode (encoding
+    // here held the book's barrier back: slower at N = 128), and the weights of its choices. (Done after the
+    // layout, these loads were half of an N = 1 round's time past it.)
+    Vectors v0;
+    float w0 = 0.f;
+    auto prepare = [&]() {
+        plan();
+        if (item0 >= n_items) return;
+        const int t = item0 / n_chunks, ch = item0 % n_chunks;
+        const ChunkBytes<FMT> cb(ch, spans_per_chunk, n_chunks, H, pb, sb);
+        const T* x_row = static_cast<const T*>(a.x) + static_cast<long long>(t) * H;
+        if constexpr (kFromX) {
+            v0.load(reinterpret_cast<const uint8_t*>(x_row) + cb.p_lo,
+                    static_cast<int>(min(static_cast<long long>(Vectors::kBytes), cb.p_hi - cb.p_lo)), lane);
+        } else {
+            const char* lo = reinterpret_cast<const char*>(x_row + cb.c_lo);
+            const char* hi = reinterpret_cast<const char*>(x_row + cb.c_hi);
+            for (const char* line = lo + 128 * lane; line < hi; line += 128 * kWarp)
+                asm volatile("prefetch.global.L1 [%0];" ::"l"(line));
+        }
+        if (ch == 0 && lane < K && a.topk_weights) w0 = a.topk_weights[static_cast<long long>(t) * K + lane];
+    };
+
     // 1. The layout: the book (block 0 reports bad choices) or the histogram; the groups' rows and scale tiles (block
     // 0 writes the outputs' offsets).
-    __shared__ int s_shared_lo, s_shared_n;
+    __shared__ int s_shared_lo, s_shared_n, s_failed;
     if (threadIdx.x == 0) {
         s_shared_lo = sh ? shared_lo(ep, N) : 0;
         s_shared_n = sh ? shared_hi(ep, N) - shared_lo(ep, N) : 0;
@@ -202,7 +250,7 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
     char* layout = smem;
     if constexpr (kBook) {
         book = small_book(ep, smem);
-        local_book(ep, a, book);
+        local_book(ep, a, book, prepare);
         layout = smem + small_book_bytes(ep);
     }
     unsigned* s_offsets = reinterpret_cast<unsigned*>(layout);
@@ -218,7 +266,9 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
         return kBook ? mask_tokens(book.bits + (rank * L + l) * words, words) : s_count[l];
     };
     __shared__ unsigned s_tiles_end;  // (fp4) the scale tiles used
+    note_failed(failed, &s_failed);
     local_scan_groups<FMT>(ep, s_shared_n, count_of, s_offsets, s_tiles, &s_tiles_end);
+    if (kBook && s_failed) return;  // (nothing stored yet)
     if (blockIdx.x == 0) {
         for (int g = threadIdx.x; g <= G; g += blockDim.x) {
             a.row_offsets[g] = s_offsets[g];
@@ -243,25 +293,12 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
         pad_group<FMT>(ep, a, s_offsets, s_tiles, g, used, defer);
     }
 
-    // 3. Items (token, chunk of whole 256-value spans), one warp each, consecutive items on different blocks: encode
-    // the chunk once (staging; bf16 from bf16 goes straight from x) and store it to each row of the token (and its
-    // shared-expert row), with its scales; the chunk 0 item writes the rows' metadata.
-    const int n_spans = (H + kWarpSpan - 1) / kWarpSpan;
-    const long long grid_warps = static_cast<long long>(gridDim.x) * n_warps;
-    const int spans_per_chunk = static_cast<int>(max(chunk_units(N, n_spans, 1, grid_warps),
-                                                     static_cast<long long>((n_spans + kMaxChunks - 1) / kMaxChunks)));
-    const int n_chunks = (n_spans + spans_per_chunk - 1) / spans_per_chunk;
-    const long long pb = ep.payload_bytes;
-    const int sb = static_cast<int>(ep.scale_bytes);
-    const long long staging = align_up(pb) + align_up(sb);
-    uint8_t* s_payload = reinterpret_cast<uint8_t*>(smem + local_layout_bytes(ep, kBook)) + warp * staging;
-    uint8_t* s_scales = s_payload + align_up(pb);
+    // 3. Items: encode the chunk once (staging; bf16 from bf16 goes straight from x) and store it to each row of
+    // the token (and its shared-expert row), with its scales; the chunk 0 item writes the rows' metadata.
     char* tokens = ep.local(ep.off_tokens);
     int* pos_out = local_choice_pos(ep);
-    using Vectors = WarpVectors<4>;
-    // (N * n_chunks fits an int: chunks split a token only while warps outnumber tokens)
-    for (int item = warp * static_cast<int>(gridDim.x) + static_cast<int>(blockIdx.x); item < N * n_chunks;
-         item += static_cast<int>(grid_warps)) {
+    for (int item = item0; item < n_items; item += static_cast<int>(grid_warps)) {
+        const bool prepared = kBook && item == item0;  // (prepare() loaded its first vectors and weights)
         const int t = item / n_chunks, ch = item % n_chunks;
         const ChunkBytes<FMT> cb(ch, spans_per_chunk, n_chunks, H, pb, sb);
         const int c_lo = cb.c_lo, c_hi = cb.c_hi, s_lo = cb.s_lo, s_hi = cb.s_hi;
@@ -284,7 +321,7 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
         if (kBook && ch == 0 && lane < K) pos_out[t * K + lane] = p;  // for the one-rank combine
         if (!rows && !shared) continue;
         const uint8_t* payload;
-        if constexpr (FMT == kFmtBf16 && sizeof(T) == 2) {
+        if constexpr (kFromX) {
             payload = reinterpret_cast<const uint8_t*>(x_row);
         } else {
             encode_chunk<FMT, T>(x_row, c_lo, c_hi, H, s_payload, s_scales, a.global_scale, lane);
@@ -297,7 +334,10 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
         for (long long b = p_lo; b < p_hi; b += Vectors::kBytes) {
             const int n = static_cast<int>(min(static_cast<long long>(Vectors::kBytes), p_hi - b));
             Vectors v;
-            v.load(payload + b, n, lane);
+            if (kFromX && prepared && b == p_lo)
+                v = v0;
+            else
+                v.load(payload + b, n, lane);
             for (unsigned rest = rows; rest; rest &= rest - 1)
                 v.store(tokens + __shfl_sync(0xffffffffu, row, __ffs(rest) - 1) * pb + b, n, lane);
             if (shared) v.store(tokens + srow * pb + b, n, lane);
@@ -334,7 +374,9 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
                 a.src_info[2LL * row] = t;
                 a.src_info[2LL * row + 1] = lane;
                 a.row_src[row] = rank;
-                a.row_weight[row] = a.topk_weights ? a.topk_weights[static_cast<long long>(t) * K + lane] : 0.f;
+                a.row_weight[row] = !a.topk_weights ? 0.f
+                                    : prepared ? w0
+                                               : a.topk_weights[static_cast<long long>(t) * K + lane];
             }
             if (shared && lane == 0) {
                 a.src_info[2LL * srow] = t;

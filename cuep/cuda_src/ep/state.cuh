@@ -55,6 +55,17 @@ __device__ __forceinline__ bool has_failed(const EPParams& ep) {
     return *reinterpret_cast<volatile int*>(ep.counters() + C_ERROR) == kStatusTimeout;
 }
 
+// has_failed for a kernel that checks late: thread 0 reads the flag at entry, without waiting for it (its latency
+// passes under the loads issued after it), and the block checks it after a later barrier (check_failed), before
+// its first global store. Other threads get false.
+__device__ __forceinline__ bool read_failed(const EPParams& ep) {
+    return threadIdx.x == 0 && has_failed(ep);
+}
+// Call before a barrier with read_failed's value (all threads); after the barrier *s_failed is the block's answer.
+__device__ __forceinline__ void note_failed(bool failed, int* s_failed) {
+    if (threadIdx.x == 0) *s_failed = failed;
+}
+
 // Thread 0 of every block counts the block in once it has read the rounds: an atomic whose result it needs only at
 // the end. (A count of blocks done at the end of a phase, fence, atomic, fence, took 1.3 us of a decode round.)
 __device__ __forceinline__ int count_entry(const EPParams& ep, int counter) {
