@@ -5,10 +5,10 @@
 //   larger rounds, one launch (dispatch_local_large): every block counts its own range of tokens (local_count: in
 //     shared memory, then one atomic per expert on the round's histogram gives the block's first position in each
 //     group); once every block has counted (a grid barrier) each block lays the groups out from the histogram
-//     itself, as a small round does from its book, and places its share of the rows. A larger round whose output scales span
-//     kGatherScalesFrom bytes stores each token's scales once, in its record of the meta region, notes every row's
-//     (scale_rows, as the protocol's large rounds do) and gathers them into the output in whole lines once every
-//     block is done (blocks_barrier on C_LOCAL_NOTED, zeroed by the layout's block).
+//     itself, as a small round does from its book, and places its share of the rows. A larger round whose output
+//     scales span kGatherScalesFrom bytes stores each token's scales once, in its record of the meta region, notes
+//     every row's (scale_rows, as the protocol's large rounds do) and gathers them into the output in whole lines
+//     once every block is done (blocks_barrier on C_LOCAL_NOTED, zeroed before the count's barrier).
 // Outputs as the protocol's (rows of an expert in any order, padding, scales). Each choice's position in its group
 // goes to local_choice_pos for the one-rank combine (combine/local.cuh); the protocol's combine handle is not
 // written: a one-rank round's combine, fused or in halves, is the one-rank combine.
@@ -399,44 +399,32 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
 }
 
 // ---- a larger round in one launch -------------------------------------------------------------------------------
-// Count, then a grid barrier: the last block to finish counting re-arms the barrier and advances C_LOCAL_GEN; the
-// other blocks wait (bounded) for it to move past the value they read at entry (it cannot move earlier: it moves
-// only once every block has arrived). The generation's parity picks the round's histogram; the last block
-// re-arms the other parity's for the next round (this one's last use of it was the previous round). Then every
-// block lays the groups out and places its share.
+// Count, then a grid barrier on the count of the round's parity (C_LOCAL_GEN's at entry), which also picks its
+// histogram. Before counting, the last block re-arms the other parity's count and histogram (the previous round,
+// their last user, has ended) and the scale-gather barrier (no block reaches it before every block has counted);
+// after the barrier, when every block has read C_LOCAL_GEN, block 0 advances it. Then every block lays the groups
+// out and places its share.
 template <int FMT, typename T>
 __device__ void dispatch_local_large(const EPParams& ep, const DispatchArgs& a, char* smem) {
     int* ctr = ep.counters();
-    __shared__ int s_gen, s_last, s_ok;
+    __shared__ int s_gen, s_ok;
     if (threadIdx.x == 0) s_gen = load_acquire_i32(ctr + C_LOCAL_GEN);
     __syncthreads();
     const int parity = s_gen & 1;
     if (blockIdx.x == gridDim.x - 1) {  // (the block with the fewest tokens to count)
         int* other = local_hist(ep, parity ^ 1);
-        for (int e = threadIdx.x; e < ep.n_experts; e += blockDim.x) other[static_cast<long long>(e) * kLocalHistStride] = 0;
+        for (int e = threadIdx.x; e < ep.n_experts; e += blockDim.x)
+            other[static_cast<long long>(e) * kLocalHistStride] = 0;
+        if (threadIdx.x == 0) {
+            ctr[C_LOCAL_COUNTED + (parity ^ 1)] = 0;
+            ctr[C_LOCAL_NOTED] = 0;
+        }
     }
     int* s_count = reinterpret_cast<int*>(smem + align_up(4 * (ep.n_groups + 1)) + align_up(4 * ep.n_groups));
     local_count(ep, a, local_hist(ep, parity), s_count);
-    if (last_block_done(ctr + C_LOCAL_DONE, &s_last)) {
-        if (threadIdx.x == 0) {
-            ctr[C_LOCAL_DONE] = 0;
-            ctr[C_LOCAL_NOTED] = 0;  // (the previous launch's blocks are all past its barrier)
-            __threadfence();  // the re-armed counts before the news
-            store_release_gpu_i32(ctr + C_LOCAL_GEN, s_gen + 1);
-        }
-    } else {
-        if (threadIdx.x < kWarp) {
-            const int gen = s_gen;
-            const bool ok = warp_wait_until(ctr + C_LOCAL_GEN, [gen](int v) { return v != gen; }, ep, K_DISPATCH_SEND,
-                                            -1, threadIdx.x);
-            if (threadIdx.x == 0) {
-                __threadfence();
-                s_ok = ok;
-            }
-        }
-        __syncthreads();
-        if (!s_ok) return;
-    }
+    if (!blocks_barrier(ep, ctr + C_LOCAL_COUNTED + parity, static_cast<int>(gridDim.x), K_DISPATCH_SEND, &s_ok))
+        return;
+    if (blockIdx.x == 0 && threadIdx.x == 0) ctr[C_LOCAL_GEN] = s_gen + 1;  // (the next launch reads it)
     dispatch_local<FMT, T, false>(ep, a, smem, parity);
 }
 

@@ -22,13 +22,13 @@ enum Counter : int {
     C_ERROR = 11,         // nonzero once any kernel of this rank reported an error (first one wins)
     C_DONE_NOTIFY = 12,   // blocks done with a phase (last one finishes the phase and resets it)
     C_CRECV_COUNT = 13,   // combine receive rounds completed
-    C_LOCAL_DONE = 14,    // blocks of a larger one-rank dispatch done counting (the last one resets it)
-    C_LOCAL_GEN = 15,     // larger one-rank dispatch rounds counted (the others wait for it to advance)
+    C_LOCAL_GEN = 15,     // larger one-rank dispatch rounds (block 0 advances it once every block has read it)
     C_DONE_CRECV = 16,
-    C_LOCAL_NOTED = 17,   // blocks of a larger one-rank dispatch done noting its scale rows (zeroed once counted)
+    C_LOCAL_NOTED = 17,   // blocks of a larger one-rank dispatch done noting its scale rows (zeroed before counted)
     C_CRECV_ITEM = 18,    // [2] next receive work item to claim (combine receive phase), by round parity
     C_ARRIVED_N = 20,     // [2] tokens of the last combine round of each parity (their arrival counts to re-arm)
     C_RECV_ITEM = 22,     // [2] next receive work item to claim (dispatch receive phase), by round parity
+    C_LOCAL_COUNTED = 24, // [2] blocks of a larger one-rank dispatch done counting, by parity (C_LOCAL_GEN's)
     C_HIST = 32,          // [E] this round's expert histogram (atomics on it also reserve each choice's slot)
     // then [2][E x kLocalHistStride]: a larger one-rank dispatch round's histogram, by parity (local_hist)
 };
