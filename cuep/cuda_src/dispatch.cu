@@ -127,7 +127,7 @@ CUEP_EACH_DISPATCH(CUEP_DISPATCH)
         const cuep::DispatchArgs call = params.call;                                                         \
         /* (the failed flag is checked inside, once the layout is built: its load then costs no latency) */     \
         if (cuep::local_round(params.ep, call.phases) && cuep::small_round(params.ep, call.num_tokens))       \
-            cuep::dispatch_local<cuep::FMT, T, true>(params.ep, call, smem);                                  \
+            cuep::dispatch_local<cuep::FMT, T, true>(params.ep, call, smem, 0, [] { return true; });          \
     }
 #define CUEP_DISPATCH_LOCAL_LARGE(FMT_NAME, SRC_NAME, FMT, T)                                                \
     CUEP_LOCAL_KERNEL(cuep_dispatch_local_large_##FMT_NAME##_from_##SRC_NAME) {                              \

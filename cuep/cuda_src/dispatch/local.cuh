@@ -183,9 +183,9 @@ __device__ void local_count(const EPParams& ep, const DispatchArgs& a, int* hist
 
 // ---- placement (both) ------------------------------------------------------------------------------------------
 // kBook: a small round, the book built here; otherwise the counts local_count left (the histogram of `parity`, each
-// choice's position in local_choice_pos), every block's count done.
-template <int FMT, typename T, bool kBook>
-__device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* smem, int parity = 0) {
+// choice's position in local_choice_pos) once `counted()` (all threads; false: give up) says every block's are in.
+template <int FMT, typename T, bool kBook, class Counted>
+__device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* smem, int parity, Counted counted) {
     const int K = static_cast<int>(ep.top_k), H = static_cast<int>(ep.hidden), G = static_cast<int>(ep.n_groups);
     const int L = static_cast<int>(ep.n_local), rank = static_cast<int>(ep.rank);
     const int sh = static_cast<int>(ep.shared), N = a.num_tokens, words = (N + 31) / 32;
@@ -215,21 +215,26 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
     using Vectors = WarpVectors<4>;
     constexpr bool kFromX = FMT == kFmtBf16 && sizeof(T) == 2;  // the payload is x itself
     const int item0 = warp * static_cast<int>(gridDim.x) + static_cast<int>(blockIdx.x);
-    // A small round starts the warp's first item while the book's ids load (none of it needs the layout): bf16 from
-    // bf16 its first payload vectors into registers, other formats the chunk of x into L1 for the encode (encoding
-    // here held the book's barrier back: slower at N = 128), and the weights of its choices. (Done after the
-    // layout, these loads were half of an N = 1 round's time past it.)
+    // A warp starts its first item before the layout (none of it needs the layout): a small round its weights and,
+    // bf16 from bf16, its first payload vectors into registers, other formats its chunk of x into L1 for the encode
+    // (encoding there held the book's barrier back: slower at N = 128); a larger quantized round its weights and
+    // the encode itself, while the other blocks count. (Done after the layout, these loads were half of an N = 1
+    // round's time past it. A larger bf16 round prefetching its chunk into L2 was 1.5% slower at N = 4096.)
+    constexpr bool kEncodedEarly = !kBook && !kFromX;
+    constexpr bool kPrepares = kBook || kEncodedEarly;
     Vectors v0;
     float w0 = 0.f;
     auto prepare = [&]() {
         plan();
-        if (item0 >= n_items) return;
+        if (!kPrepares || item0 >= n_items) return;
         const int t = item0 / n_chunks, ch = item0 % n_chunks;
         const ChunkBytes<FMT> cb(ch, spans_per_chunk, n_chunks, H, pb, sb);
         const T* x_row = static_cast<const T*>(a.x) + static_cast<long long>(t) * H;
         if constexpr (kFromX) {
             v0.load(reinterpret_cast<const uint8_t*>(x_row) + cb.p_lo,
                     static_cast<int>(min(static_cast<long long>(Vectors::kBytes), cb.p_hi - cb.p_lo)), lane);
+        } else if constexpr (kEncodedEarly) {
+            encode_chunk<FMT, T>(x_row, cb.c_lo, cb.c_hi, H, s_payload, s_scales, a.global_scale, lane);
         } else {
             const char* lo = reinterpret_cast<const char*>(x_row + cb.c_lo);
             const char* hi = reinterpret_cast<const char*>(x_row + cb.c_hi);
@@ -257,6 +262,8 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
     unsigned* s_tiles = s_offsets + align_up(4 * (ep.n_groups + 1)) / 4;
     int* s_count = reinterpret_cast<int*>(s_tiles + align_up(4 * ep.n_groups) / 4);  // (larger rounds)
     if constexpr (!kBook) {
+        prepare();
+        if (!counted()) return;
         const int* hist = local_hist(ep, parity);
         for (int l = threadIdx.x; l < L; l += blockDim.x)
             s_count[l] = __ldcg(hist + static_cast<long long>(rank * L + l) * kLocalHistStride);
@@ -298,7 +305,7 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
     char* tokens = ep.local(ep.off_tokens);
     int* pos_out = local_choice_pos(ep);
     for (int item = item0; item < n_items; item += static_cast<int>(grid_warps)) {
-        const bool prepared = kBook && item == item0;  // (prepare() loaded its first vectors and weights)
+        const bool prepared = kPrepares && item == item0;  // (its weights, first vectors or encode: prepare())
         const int t = item / n_chunks, ch = item % n_chunks;
         const ChunkBytes<FMT> cb(ch, spans_per_chunk, n_chunks, H, pb, sb);
         const int c_lo = cb.c_lo, c_hi = cb.c_hi, s_lo = cb.s_lo, s_hi = cb.s_hi;
@@ -324,7 +331,8 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
         if constexpr (kFromX) {
             payload = reinterpret_cast<const uint8_t*>(x_row);
         } else {
-            encode_chunk<FMT, T>(x_row, c_lo, c_hi, H, s_payload, s_scales, a.global_scale, lane);
+            if (!(kEncodedEarly && prepared))
+                encode_chunk<FMT, T>(x_row, c_lo, c_hi, H, s_payload, s_scales, a.global_scale, lane);
             payload = s_payload;
         }
         // the token's rows (lane k: choice k's row, or -1) and its row in the shared group (which starts at row 0)
@@ -402,8 +410,8 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
 // Count, then a grid barrier on the count of the round's parity (C_LOCAL_GEN's at entry), which also picks its
 // histogram. Before counting, the last block re-arms the other parity's count and histogram (the previous round,
 // their last user, has ended) and the scale-gather barrier (no block reaches it before every block has counted);
-// after the barrier, when every block has read C_LOCAL_GEN, block 0 advances it. Then every block lays the groups
-// out and places its share.
+// after the barrier, when every block has read C_LOCAL_GEN, block 0 advances it. Between arriving and waiting each
+// warp starts its first item (dispatch_local's prepare); then every block lays the groups out and places its share.
 template <int FMT, typename T>
 __device__ void dispatch_local_large(const EPParams& ep, const DispatchArgs& a, char* smem) {
     int* ctr = ep.counters();
@@ -422,10 +430,14 @@ __device__ void dispatch_local_large(const EPParams& ep, const DispatchArgs& a, 
     }
     int* s_count = reinterpret_cast<int*>(smem + align_up(4 * (ep.n_groups + 1)) + align_up(4 * ep.n_groups));
     local_count(ep, a, local_hist(ep, parity), s_count);
-    if (!blocks_barrier(ep, ctr + C_LOCAL_COUNTED + parity, static_cast<int>(gridDim.x), K_DISPATCH_SEND, &s_ok))
-        return;
-    if (blockIdx.x == 0 && threadIdx.x == 0) ctr[C_LOCAL_GEN] = s_gen + 1;  // (the next launch reads it)
-    dispatch_local<FMT, T, false>(ep, a, smem, parity);
+    blocks_arrive(ctr + C_LOCAL_COUNTED + parity);
+    // (the placement starts its first items, then waits here)
+    dispatch_local<FMT, T, false>(ep, a, smem, parity, [&]() {
+        if (!blocks_wait(ep, ctr + C_LOCAL_COUNTED + parity, static_cast<int>(gridDim.x), K_DISPATCH_SEND, &s_ok))
+            return false;
+        if (blockIdx.x == 0 && threadIdx.x == 0) ctr[C_LOCAL_GEN] = s_gen + 1;  // (the next launch reads it)
+        return true;
+    });
 }
 
 }  // namespace cuep

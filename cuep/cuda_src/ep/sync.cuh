@@ -128,12 +128,18 @@ __device__ __forceinline__ bool last_block_done(int* done, int* s_flag) {
 
 // Grid barrier of the n_blocks blocks that call it (all threads; the blocks must be resident together, as an EP
 // launch's one block per SM is): each arrives on *count (zeroed a round ahead by its owner), then waits, bounded,
-// for all. The fences order every block's writes before the barrier with every block's reads after it.
-__device__ __forceinline__ bool blocks_barrier(const EPParams& ep, int* count, int n_blocks, int kernel, int* s_ok) {
+// for all. The fences order every block's writes before the barrier with every block's reads after it. In two
+// halves where a block has work that needs no other block between them (blocks_arrive, then blocks_wait).
+__device__ __forceinline__ void blocks_arrive(int* count) {
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence();
         atomicAdd(count, 1);
+    }
+}
+__device__ __forceinline__ bool blocks_wait(const EPParams& ep, const int* count, int n_blocks, int kernel,
+                                            int* s_ok) {
+    if (threadIdx.x == 0) {
         int ok = 1;
         SpinClock clock;
         while (load_acquire_i32(count) < n_blocks) {
@@ -148,6 +154,10 @@ __device__ __forceinline__ bool blocks_barrier(const EPParams& ep, int* count, i
     }
     __syncthreads();
     return *s_ok != 0;
+}
+__device__ __forceinline__ bool blocks_barrier(const EPParams& ep, int* count, int n_blocks, int kernel, int* s_ok) {
+    blocks_arrive(count);
+    return blocks_wait(ep, count, n_blocks, kernel, s_ok);
 }
 
 }  // namespace cuep
