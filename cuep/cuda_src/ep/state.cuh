@@ -24,7 +24,7 @@ enum Counter : int {
     C_CRECV_COUNT = 13,   // combine receive rounds completed
     C_LOCAL_GEN = 15,     // larger one-rank dispatch rounds (block 0 advances it once every block has read it)
     C_DONE_CRECV = 16,
-    C_LOCAL_NOTED = 17,   // blocks of a larger one-rank dispatch done noting its scale rows (zeroed before counted)
+    C_LOCAL_NOTED = 17,   // blocks of a larger one-rank dispatch done noting its scale rows (zeroed before its count)
     C_CRECV_ITEM = 18,    // [2] next receive work item to claim (combine receive phase), by round parity
     C_ARRIVED_N = 20,     // [2] tokens of the last combine round of each parity (their arrival counts to re-arm)
     C_RECV_ITEM = 22,     // [2] next receive work item to claim (dispatch receive phase), by round parity
@@ -56,7 +56,7 @@ __device__ __forceinline__ bool has_failed(const EPParams& ep) {
 }
 
 // has_failed for a kernel that checks late: thread 0 reads the flag at entry, without waiting for it (its latency
-// passes under the loads issued after it), and the block checks it after a later barrier (check_failed), before
+// passes under the loads issued after it), and the block checks it after a later barrier (note_failed), before
 // its first global store. Other threads get false.
 __device__ __forceinline__ bool read_failed(const EPParams& ep) {
     return threadIdx.x == 0 && has_failed(ep);
