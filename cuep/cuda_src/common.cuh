@@ -134,30 +134,32 @@ __device__ __forceinline__ void signal_completion(uint64_t* slot, uint64_t count
 }
 
 // ---- block-wide inclusive prefix sum -------------------------------------------------------------------
-// Inclusive scan of one int per thread over the whole block (blockDim.x a multiple of 32, at most 1024).
-// `scratch` holds 32 ints of shared memory. Returns this thread's inclusive sum; `*total` gets the block sum.
-__device__ __forceinline__ int block_inclusive_scan(int v, int* scratch, int* total) {
+// Inclusive scan of one value per thread over the whole block (blockDim.x a multiple of 32, at most 1024).
+// `scratch` holds 32 values of shared memory. Returns this thread's inclusive sum; `*total` gets the block sum.
+// (V = long long scans two ints at once, packed low and high, when neither half's sums overflow.)
+template <typename V>
+__device__ __forceinline__ V block_inclusive_scan(V v, V* scratch, V* total) {
     const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, nwarps = blockDim.x / kWarp;
 #pragma unroll
     for (int o = 1; o < kWarp; o <<= 1) {
-        int n = __shfl_up_sync(0xffffffffu, v, o);
+        const V n = __shfl_up_sync(0xffffffffu, v, o);
         if (lane >= o) v += n;
     }
     __syncthreads();  // scratch may still be read by a previous call
     if (lane == kWarp - 1) scratch[warp] = v;
     __syncthreads();
     if (warp == 0) {
-        int w = lane < nwarps ? scratch[lane] : 0;
+        V w = lane < nwarps ? scratch[lane] : V(0);
 #pragma unroll
         for (int o = 1; o < kWarp; o <<= 1) {
-            int n = __shfl_up_sync(0xffffffffu, w, o);
+            const V n = __shfl_up_sync(0xffffffffu, w, o);
             if (lane >= o) w += n;
         }
         scratch[lane] = w;
     }
     __syncthreads();
     if (total) *total = scratch[nwarps - 1];
-    return v + (warp > 0 ? scratch[warp - 1] : 0);
+    return v + (warp > 0 ? scratch[warp - 1] : V(0));
 }
 
 // ---- bounded spin --------------------------------------------------------------------------------------

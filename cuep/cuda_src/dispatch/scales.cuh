@@ -120,6 +120,37 @@ __device__ __forceinline__ void place_token_scales(const EPParams& ep, const Dis
     }
 }
 
+// Scale words [w_lo, w_hi) (fp8: scales; fp4: k-tiles of 4) of one token chunk, from its plain scale bytes `src`
+// (4-byte aligned, the whole row's indexing; bytes past n_scales read as zero) to each of the token's rows, by a
+// warp, one (row, word) pair per lane at a time: lane k < n_slots holds slot k's row and scale row (row -1: none).
+// (An H100 N = 1 nvfp4 round, 8 rows of 4 words a chunk: row by row, each row's words loaded again behind the
+// previous row's stores, 2.1 us of the item; the words loaded once, then stored row by row (place_token_scales),
+// 1.2 us, each row's pass waiting on its shuffles and shared loads; by pairs, 0.4 us.)
+template <int FMT>
+__device__ __forceinline__ void place_chunk_scales(const EPParams& ep, const DispatchArgs& a, int n_slots, int row,
+                                                   int scale_row, const uint8_t* src, int w_lo, int w_hi, int lane) {
+    if constexpr (FMT == kFmtFp8 || FMT == kFmtNvfp4 || FMT == kFmtMxfp4) {
+        constexpr bool kFp8 = FMT == kFmtFp8;
+        const int n_scales = static_cast<int>(ep.n_scales), k_tiles = static_cast<int>(ep.k_tiles);
+        const int n_w = min(kFp8 ? n_scales : k_tiles, w_hi) - w_lo, pairs = n_slots * n_w;
+        for (int i0 = 0; i0 < pairs; i0 += kWarp) {
+            const int i = i0 + lane;
+            const int k = i < pairs ? i / n_w : 0, c = w_lo + (i < pairs ? i - k * n_w : 0);
+            const int r = __shfl_sync(0xffffffffu, row, k), sr = __shfl_sync(0xffffffffu, scale_row, k);
+            if (i >= pairs || r < 0) continue;
+            uint32_t w = reinterpret_cast<const uint32_t*>(src)[c];
+            if constexpr (kFp8) {
+                static_cast<uint32_t*>(a.scales_out)[static_cast<long long>(c) * ep.capacity + r] = w;
+            } else {
+                const int have = n_scales - c * kScaleTileCols;  // (message padding past the last scale)
+                if (have < kScaleTileCols) w &= (1u << (8 * have)) - 1u;
+                *reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(a.scales_out) +
+                                             swizzled_scale_offset(sr, c * kScaleTileCols, k_tiles)) = w;
+            }
+        }
+    }
+}
+
 // ---- scales of large rounds: gathered from the messages, in whole lines ---------------------------------
 // The output layouts put a row's scales in a column (fp8: [n_scales, capacity]; fp4: 128x4 tiles, 16 bytes apart),
 // so a row placed alone writes 4 bytes into each of n_scales 32-byte sectors that other rows, placed at other times
