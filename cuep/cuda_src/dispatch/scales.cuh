@@ -46,6 +46,29 @@ __device__ __forceinline__ uint32_t scale_word(const uint8_t* src, int kt, int n
     return word;
 }
 
+// Word c of a row's plain scale bytes `src` (fp8: scale c; fp4: scales 4c .. 4c + 3, zero past n_scales, whole-word
+// loads where `src` is 4-byte aligned), and its store to the output layout (fp8 row `row`, fp4 scale row).
+template <bool kFp8>
+__device__ __forceinline__ uint32_t plain_scale_word(const uint8_t* src, int c, int n_scales, bool aligned) {
+    if (kFp8) return reinterpret_cast<const uint32_t*>(src)[c];
+    if (!aligned) return scale_word(src, c, n_scales);
+    uint32_t w = reinterpret_cast<const uint32_t*>(src)[c];
+    const int have = n_scales - c * kScaleTileCols;  // (bytes past the scales: message padding)
+    if (have < kScaleTileCols) w &= (1u << (8 * have)) - 1u;
+    return w;
+}
+template <bool kFp8>
+__device__ __forceinline__ void store_scale_word(const EPParams& ep, const DispatchArgs& a, long long row,
+                                                 long long scale_row, int c, uint32_t w) {
+    if (kFp8) {
+        static_cast<uint32_t*>(a.scales_out)[static_cast<long long>(c) * ep.capacity + row] = w;
+    } else {
+        const int k_tiles = static_cast<int>(ep.k_tiles);
+        *reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(a.scales_out) +
+                                     swizzled_scale_offset(scale_row, c * kScaleTileCols, k_tiles)) = w;
+    }
+}
+
 // Write one row's scales (plain per-row bytes `src`) into the dispatch output layout; pad columns of swizzled
 // tiles are written as zero. Called by `nthreads` threads (a warp or a block), `tid` in [0, nthreads).
 // Only scale columns [b_lo, b_hi) (fp4: whole tiles of 4) when given.
@@ -61,11 +84,9 @@ __device__ void place_row_scales(const EPParams& ep, const DispatchArgs& a, long
     } else if constexpr (FMT == kFmtNvfp4 || FMT == kFmtMxfp4) {
         // One 4-byte word per 128x4 tile (its 4 columns of this row are contiguous): a quarter of the stores of
         // byte-wise writes (each store goes to a sector other rows also write, which is what costs).
-        uint8_t* out = static_cast<uint8_t*>(a.scales_out);
         const int k_tiles = static_cast<int>(ep.k_tiles);
         for (int kt = b_lo / kScaleTileCols + tid; kt < min(k_tiles, b_hi / kScaleTileCols); kt += nthreads)
-            *reinterpret_cast<uint32_t*>(out + swizzled_scale_offset(scale_row, kt * kScaleTileCols, k_tiles)) =
-                scale_word(src, kt, n_scales);
+            store_scale_word<false>(ep, a, row, scale_row, kt, scale_word(src, kt, n_scales));
     }
 }
 
@@ -83,23 +104,14 @@ __device__ __forceinline__ void place_token_scales(const EPParams& ep, const Dis
         constexpr int kRegs = 4;
         constexpr bool kFp8 = FMT == kFmtFp8;
         const int n_scales = static_cast<int>(ep.n_scales);
-        const int k_tiles = static_cast<int>(ep.k_tiles);
-        const int n_words = kFp8 ? n_scales : k_tiles;
+        const int n_words = kFp8 ? n_scales : static_cast<int>(ep.k_tiles);
         const bool aligned = (reinterpret_cast<uintptr_t>(src) & 3) == 0;
         for (int base = 0; base < n_words; base += kRegs * kWarp) {
             uint32_t w[kRegs];
 #pragma unroll
             for (int j = 0; j < kRegs; ++j) {
                 const int c = base + j * kWarp + lane;
-                w[j] = 0u;
-                if (c >= n_words) continue;
-                if (kFp8 || !aligned) {
-                    w[j] = kFp8 ? reinterpret_cast<const uint32_t*>(src)[c] : scale_word(src, c, n_scales);
-                } else {  // a word of 4 scale bytes; bytes past n_scales (message padding) read as zero
-                    w[j] = reinterpret_cast<const uint32_t*>(src)[c];
-                    const int have = n_scales - c * kScaleTileCols;
-                    if (have < kScaleTileCols) w[j] &= (1u << (8 * have)) - 1u;
-                }
+                w[j] = c < n_words ? plain_scale_word<kFp8>(src, c, n_scales, aligned) : 0u;
             }
             for (unsigned rest = rows; rest; rest &= rest - 1) {
                 long long row, scale_row;
@@ -107,13 +119,7 @@ __device__ __forceinline__ void place_token_scales(const EPParams& ep, const Dis
 #pragma unroll
                 for (int j = 0; j < kRegs; ++j) {
                     const int c = base + j * kWarp + lane;
-                    if (c >= n_words) continue;
-                    if constexpr (kFp8)
-                        static_cast<uint32_t*>(a.scales_out)[static_cast<long long>(c) * ep.capacity + row] = w[j];
-                    else
-                        *reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(a.scales_out) +
-                                                     swizzled_scale_offset(scale_row, c * kScaleTileCols, k_tiles)) =
-                            w[j];
+                    if (c < n_words) store_scale_word<kFp8>(ep, a, row, scale_row, c, w[j]);
                 }
             }
         }
@@ -131,22 +137,14 @@ __device__ __forceinline__ void place_chunk_scales(const EPParams& ep, const Dis
                                                    int scale_row, const uint8_t* src, int w_lo, int w_hi, int lane) {
     if constexpr (FMT == kFmtFp8 || FMT == kFmtNvfp4 || FMT == kFmtMxfp4) {
         constexpr bool kFp8 = FMT == kFmtFp8;
-        const int n_scales = static_cast<int>(ep.n_scales), k_tiles = static_cast<int>(ep.k_tiles);
-        const int n_w = min(kFp8 ? n_scales : k_tiles, w_hi) - w_lo, pairs = n_slots * n_w;
+        const int n_scales = static_cast<int>(ep.n_scales);
+        const int n_w = min(kFp8 ? n_scales : static_cast<int>(ep.k_tiles), w_hi) - w_lo, pairs = n_slots * n_w;
         for (int i0 = 0; i0 < pairs; i0 += kWarp) {
             const int i = i0 + lane;
             const int k = i < pairs ? i / n_w : 0, c = w_lo + (i < pairs ? i - k * n_w : 0);
             const int r = __shfl_sync(0xffffffffu, row, k), sr = __shfl_sync(0xffffffffu, scale_row, k);
-            if (i >= pairs || r < 0) continue;
-            uint32_t w = reinterpret_cast<const uint32_t*>(src)[c];
-            if constexpr (kFp8) {
-                static_cast<uint32_t*>(a.scales_out)[static_cast<long long>(c) * ep.capacity + r] = w;
-            } else {
-                const int have = n_scales - c * kScaleTileCols;  // (message padding past the last scale)
-                if (have < kScaleTileCols) w &= (1u << (8 * have)) - 1u;
-                *reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(a.scales_out) +
-                                             swizzled_scale_offset(sr, c * kScaleTileCols, k_tiles)) = w;
-            }
+            if (i < pairs && r >= 0)
+                store_scale_word<kFp8>(ep, a, r, sr, c, plain_scale_word<kFp8>(src, c, n_scales, true));
         }
     }
 }
