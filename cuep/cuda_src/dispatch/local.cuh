@@ -217,15 +217,13 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
         spans_per_chunk = static_cast<int>(max(chunk_units(N, n_spans, 1, grid_warps),
                                                static_cast<long long>((n_spans + kMaxChunks - 1) / kMaxChunks)));
         if (kBook && FMT != kFmtBf16) {
+            // at most room / N chunks a token leave kMinPadWarps warps of every block free
             const long long room = grid_warps - static_cast<long long>(kMinPadWarps) * gridDim.x;
-            auto items = [&](int s) { return static_cast<long long>(N) * ((n_spans + s - 1) / s); };
-            if (items(spans_per_chunk) > room)
-                for (int s = (spans_per_chunk / kEncodeSteps + 1) * kEncodeSteps; s < n_spans + kEncodeSteps;
-                     s += kEncodeSteps)
-                    if (items(s) <= room) {
-                        spans_per_chunk = s;
-                        break;
-                    }
+            const int max_chunks = N > 0 ? static_cast<int>(min(room / N, static_cast<long long>(n_spans))) : n_spans;
+            if (max_chunks > 0 && (n_spans + spans_per_chunk - 1) / spans_per_chunk > max_chunks) {
+                const int s = (n_spans + max_chunks - 1) / max_chunks;
+                spans_per_chunk = (s + kEncodeSteps - 1) / kEncodeSteps * kEncodeSteps;
+            }
         }
         n_chunks = (n_spans + spans_per_chunk - 1) / spans_per_chunk;
         n_items = N * n_chunks;  // (fits an int: chunks split a token only while warps outnumber tokens)

@@ -9,74 +9,65 @@
 
 namespace cuep {
 
-// A padding row of an fp8 group, by threads tid of nthr: zero payload and scales (deferred: its scale row noted as
-// padding for gather_scales), src_info (-1, -1).
-__device__ __forceinline__ void pad_fp8_row(const EPParams& ep, const DispatchArgs& a, unsigned row, bool defer,
-                                            int tid, int nthr) {
-    char* tokens = ep.local(ep.off_tokens);
-    const long long pb = ep.payload_bytes;
-    for (long long b = tid; b < pb / 16; b += nthr)
-        reinterpret_cast<int4*>(tokens + row * pb)[b] = make_int4(0, 0, 0, 0);
-    float* out = static_cast<float*>(a.scales_out);
-    if (defer) {
-        if (tid == 0) scale_rows(ep)[row] = kPadScales;
-    } else {
-        for (int b = tid; b < ep.n_scales; b += nthr) out[b * ep.capacity + row] = 0.f;
-    }
-    if (tid == 0) {
-        a.src_info[2LL * row] = -1;
-        a.src_info[2LL * row + 1] = -1;
-        a.row_src[row] = -1;
-        a.row_weight[row] = 0.f;
-    }
-}
-
-// fp4: the last scale tile of a group of n rows (n % 128 != 0), whose rows n % 128 .. 127 are padding.
-__device__ __forceinline__ uint4* last_scale_tile(const EPParams& ep, const DispatchArgs& a, const unsigned* s_tiles,
-                                                  int g, unsigned n) {
-    return reinterpret_cast<uint4*>(static_cast<uint8_t*>(a.scales_out) +
-                                    (static_cast<long long>(s_tiles[g]) + n / kScaleTileRows) * ep.k_tiles *
-                                        kScaleTileBytes);
-}
-// Quad i of such a tile: quad j = i % 32 of the (tile, kt = i / 32) 512-byte block holds rows j, j + 32, j + 64,
-// j + 96 (word q: row j + 32 q). A quad of padding rows only is one store; otherwise its padding words go one by
-// one (the rows' own words are stored by their items meanwhile). (A word per (row, kt) in row order went 512 bytes
-// apart: 1.7 M scattered stores, most of a 2 x H200 N = 128 nvfp4 dispatch's 80 us.)
-__device__ __forceinline__ void pad_tile_quad(uint4* tile, int i, int first) {
-    const int j = i % (kScaleTileBytes / 16);
-    if (j >= first) {
-        tile[i] = make_uint4(0u, 0u, 0u, 0u);
-    } else {
-#pragma unroll
-        for (int q = 1; q < 4; ++q)
-            if (j + 32 * q >= first) reinterpret_cast<uint32_t*>(tile + i)[q] = 0u;
-    }
-}
-
 // Padding of group g (rows s_offsets[g] .. s_offsets[g + 1], the first `used` - s_offsets[g] of them real), by
 // threads [first_thread, first_thread + threads) of the block (default: all of it): fp8 rows up to the group's
-// multiple of 4; fp4 the scale rows of the group's last tile past its last row, consecutive threads on consecutive
-// quads. `defer`: a large round notes the padding for gather_scales instead of storing its scales.
+// multiple of 4 (zero payload and scales, src_info (-1, -1)); fp4 the scale rows of the group's last tile past its
+// last row. `defer`: a large round notes the padding for gather_scales instead of storing its scales.
 template <int FMT>
 __device__ void pad_group(const EPParams& ep, const DispatchArgs& a, const unsigned* s_offsets, const unsigned* s_tiles,
                           int g, unsigned used, bool defer, int first_thread = 0, int threads = 0) {
     const int tid = static_cast<int>(threadIdx.x) - first_thread;
     const int nthr = threads ? threads : static_cast<int>(blockDim.x);
+    const unsigned begin = s_offsets[g], end = s_offsets[g + 1];
     if constexpr (FMT == kFmtFp8) {
-        for (unsigned row = used; row < s_offsets[g + 1]; ++row) pad_fp8_row(ep, a, row, defer, tid, nthr);
+        char* tokens = ep.local(ep.off_tokens);
+        const long long pb = ep.payload_bytes;
+        for (unsigned row = used; row < end; ++row) {
+            for (long long b = tid; b < pb / 16; b += nthr)
+                reinterpret_cast<int4*>(tokens + row * pb)[b] = make_int4(0, 0, 0, 0);
+            float* out = static_cast<float*>(a.scales_out);
+            if (defer) {
+                if (tid == 0) scale_rows(ep)[row] = kPadScales;
+            } else {
+                for (int b = tid; b < ep.n_scales; b += nthr) out[b * ep.capacity + row] = 0.f;
+            }
+            if (tid == 0) {
+                a.src_info[2LL * row] = -1;
+                a.src_info[2LL * row + 1] = -1;
+                a.row_src[row] = -1;
+                a.row_weight[row] = 0.f;
+            }
+        }
     } else if constexpr (FMT == kFmtNvfp4 || FMT == kFmtMxfp4) {
-        const unsigned n = used - s_offsets[g];
+        const unsigned n = used - begin;
         const unsigned pad_end = (n + kScaleTileRows - 1) / kScaleTileRows * kScaleTileRows;
+        const int k_tiles = static_cast<int>(ep.k_tiles);
+        uint8_t* out = static_cast<uint8_t*>(a.scales_out);
         if (defer) {
             for (unsigned i = tid; i < pad_end - n; i += nthr)
                 scale_rows(ep)[static_cast<long long>(s_tiles[g]) * kScaleTileRows + n + i] = kPadScales;
         } else if (pad_end > n) {
-            uint4* tile = last_scale_tile(ep, a, s_tiles, g, n);
+            // The group's last tile, rows n % 128 .. 127, block by block, consecutive threads on consecutive
+            // 16-byte quads: quad j of a (tile, kt) 512-byte block holds rows j, j + 32, j + 64, j + 96 (word q:
+            // row j + 32 q). A quad of padding rows only is one store; otherwise its padding words go one by one
+            // (the message warps store the real rows' words meanwhile). (A word per (row, kt) in row order went
+            // 512 bytes apart: 1.7 M scattered stores, most of a 2 x H200 N = 128 nvfp4 dispatch's 80 us.)
+            uint4* tile = reinterpret_cast<uint4*>(
+                out + (static_cast<long long>(s_tiles[g]) + n / kScaleTileRows) * k_tiles * kScaleTileBytes);
             const int first = static_cast<int>(n % kScaleTileRows), quads = kScaleTileBytes / 16;
-            for (int i = tid; i < static_cast<int>(ep.k_tiles) * quads; i += nthr) pad_tile_quad(tile, i, first);
+            for (int i = tid; i < k_tiles * quads; i += nthr) {
+                const int j = i % quads;
+                if (j >= first) {
+                    tile[i] = make_uint4(0u, 0u, 0u, 0u);
+                } else {
+#pragma unroll
+                    for (int q = 1; q < 4; ++q)
+                        if (j + 32 * q >= first) reinterpret_cast<uint32_t*>(tile + i)[q] = 0u;
+                }
+            }
         }
     } else {
-        (void)tid, (void)nthr;
+        (void)tid, (void)nthr, (void)begin, (void)end;
     }
 }
 
