@@ -29,7 +29,7 @@ __device__ void pad_group(const EPParams& ep, const DispatchArgs& a, const unsig
             if (defer) {
                 if (tid == 0) scale_rows(ep)[row] = kPadScales;
             } else {
-                for (int b = tid; b < ep.n_scales; b += nthr) out[b * ep.capacity + row] = 0.f;
+                for (int b = tid; b < ep.n_scales; b += nthr) store_u32_evict_last(out + b * ep.capacity + row, 0u);
             }
             if (tid == 0) {
                 a.src_info[2LL * row] = -1;
@@ -58,11 +58,11 @@ __device__ void pad_group(const EPParams& ep, const DispatchArgs& a, const unsig
             for (int i = tid; i < k_tiles * quads; i += nthr) {
                 const int j = i % quads;
                 if (j >= first) {
-                    tile[i] = make_uint4(0u, 0u, 0u, 0u);
+                    store_u128_evict_last(tile + i, make_uint4(0u, 0u, 0u, 0u));
                 } else {
 #pragma unroll
                     for (int q = 1; q < 4; ++q)
-                        if (j + 32 * q >= first) reinterpret_cast<uint32_t*>(tile + i)[q] = 0u;
+                        if (j + 32 * q >= first) store_u32_evict_last(reinterpret_cast<uint32_t*>(tile + i) + q, 0u);
                 }
             }
         }

@@ -61,11 +61,11 @@ template <bool kFp8>
 __device__ __forceinline__ void store_scale_word(const EPParams& ep, const DispatchArgs& a, long long row,
                                                  long long scale_row, int c, uint32_t w) {
     if (kFp8) {
-        static_cast<uint32_t*>(a.scales_out)[static_cast<long long>(c) * ep.capacity + row] = w;
+        store_u32_evict_last(static_cast<uint32_t*>(a.scales_out) + static_cast<long long>(c) * ep.capacity + row, w);
     } else {
         const int k_tiles = static_cast<int>(ep.k_tiles);
-        *reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(a.scales_out) +
-                                     swizzled_scale_offset(scale_row, c * kScaleTileCols, k_tiles)) = w;
+        store_u32_evict_last(static_cast<uint8_t*>(a.scales_out) +
+                                 swizzled_scale_offset(scale_row, c * kScaleTileCols, k_tiles), w);
     }
 }
 
