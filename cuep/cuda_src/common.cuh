@@ -77,17 +77,13 @@ struct WarpVectors {
 // A store that fills part of a 32-byte sector which other warps fill later (the scale layouts put a row's scales in
 // a column), with an L2 evict-last hint: under a round's stream of row stores the half-written sector otherwise
 // leaves L2 before the rest of it arrives, and is read back to be merged. (H100, one rank, cold: fp8 N = 1024
-// dispatch 7% faster, nvfp4 N = 256 12%; 2 x H200 direct scales at fp8 N = 8192: 437 -> 387 us.)
+// dispatch 7% faster, nvfp4 N = 256 12%; 2 x H200 direct scales at fp8 N = 8192: 437 -> 387 us.) Stores that fill
+// whole sectors (the fp4 padding's zero quads, 14.7 MB at nvfp4 N = 128) stay plain: the same speed, and no
+// evict-last lines left in L2 for the kernels after.
 __device__ __forceinline__ void store_u32_evict_last(void* p, uint32_t v) {
     uint64_t policy;
     asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
     asm volatile("st.global.L2::cache_hint.b32 [%0], %1, %2;" ::"l"(p), "r"(v), "l"(policy) : "memory");
-}
-__device__ __forceinline__ void store_u128_evict_last(void* p, uint4 v) {
-    uint64_t policy;
-    asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
-    asm volatile("st.global.L2::cache_hint.v4.b32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
-                 "r"(v.w), "l"(policy) : "memory");
 }
 
 // ---- memory order (system scope: peers write our memory over NVLink) ------------------------------------

@@ -58,7 +58,7 @@ __device__ void pad_group(const EPParams& ep, const DispatchArgs& a, const unsig
             for (int i = tid; i < k_tiles * quads; i += nthr) {
                 const int j = i % quads;
                 if (j >= first) {
-                    store_u128_evict_last(tile + i, make_uint4(0u, 0u, 0u, 0u));
+                    tile[i] = make_uint4(0u, 0u, 0u, 0u);  // (whole sectors, most with the next quad: no hint)
                 } else {
 #pragma unroll
                     for (int q = 1; q < 4; ++q)
