@@ -25,11 +25,10 @@ __device__ void pad_group(const EPParams& ep, const DispatchArgs& a, const unsig
         for (unsigned row = used; row < end; ++row) {
             for (long long b = tid; b < pb / 16; b += nthr)
                 reinterpret_cast<int4*>(tokens + row * pb)[b] = make_int4(0, 0, 0, 0);
-            float* out = static_cast<float*>(a.scales_out);
             if (defer) {
                 if (tid == 0) scale_rows(ep)[row] = kPadScales;
             } else {
-                for (int b = tid; b < ep.n_scales; b += nthr) store_u32_evict_last(out + b * ep.capacity + row, 0u);
+                for (int b = tid; b < ep.n_scales; b += nthr) store_scale_word<true>(ep, a, row, row, b, 0u);
             }
             if (tid == 0) {
                 a.src_info[2LL * row] = -1;

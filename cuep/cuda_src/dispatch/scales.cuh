@@ -79,8 +79,8 @@ __device__ void place_row_scales(const EPParams& ep, const DispatchArgs& a, long
     if constexpr (FMT == kFmtFp8) {
         float* out = static_cast<float*>(a.scales_out);
         const float* s = reinterpret_cast<const float*>(src);
-        for (int b = b_lo + tid; b < min(n_scales, b_hi); b += nthreads)
-            out[static_cast<long long>(b) * ep.capacity + row] = s[b];
+        for (int b = b_lo + tid; b < min(n_scales, b_hi); b += nthreads)  // (plain: store_scale_word's hint
+            out[static_cast<long long>(b) * ep.capacity + row] = s[b];       // spilled cuep_dispatch_fp8_from_bf16)
     } else if constexpr (FMT == kFmtNvfp4 || FMT == kFmtMxfp4) {
         // One 4-byte word per 128x4 tile (its 4 columns of this row are contiguous): a quarter of the stores of
         // byte-wise writes (each store goes to a sector other rows also write, which is what costs).
