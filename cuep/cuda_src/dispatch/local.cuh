@@ -383,18 +383,22 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
         }
         if (sb && defer) {
             // the chunk's scale bytes into the token's record (whole words when the row's scales are), its rows'
-            // scale rows noted once (chunk 0)
+            // scale rows noted once (chunk 0). Records and notes are stored evict-last: the tile gather reads them
+            // back after the round's whole payload stream, which would otherwise push them out of L2.
             uint8_t* rec = local_scale_record(ep, t);
             const int s_end = last ? sb : s_hi;
             if (sb % 4 == 0) {
                 for (int b = s_lo + 4 * lane; b < s_end; b += 4 * kWarp)
-                    *reinterpret_cast<uint32_t*>(rec + b) = *reinterpret_cast<const uint32_t*>(s_scales + b);
+                    store_u32_evict_last(rec + b, *reinterpret_cast<const uint32_t*>(s_scales + b));
             } else {
                 for (int b = s_lo + lane; b < s_end; b += kWarp) rec[b] = s_scales[b];
             }
             if (ch == 0) {
                 const uint32_t ref = scale_ref(ep, rec);
-                if (row >= 0) scale_rows(ep)[kTiled ? swizzle_row(s_tiles, s_offsets, g, row) : row] = ref;
+                if (row >= 0) {
+                    const long long at = kTiled ? swizzle_row(s_tiles, s_offsets, g, row) : row;
+                    store_u32_evict_last(scale_rows(ep) + at, ref);
+                }
                 if (shared && lane == 0) scale_rows(ep)[srow] = ref;
             }
         } else if (sb) {
