@@ -215,6 +215,7 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
     // and three of one span, each waiting on its loads): H100, N = 384 .. 1024, every format 1.7-5.8% faster cold.
     constexpr int kMinPadWarps = 4;
     int spans_per_chunk = 1, n_chunks = 1, n_items = 0;
+    auto whole_steps = [](int spans) { return (spans + kEncodeSteps - 1) / kEncodeSteps * kEncodeSteps; };
     auto plan = [&]() {
         spans_per_chunk = static_cast<int>(max(chunk_units(N, n_spans, 1, grid_warps),
                                                static_cast<long long>((n_spans + kMaxChunks - 1) / kMaxChunks)));
@@ -223,12 +224,10 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
             const long long room = grid_warps - static_cast<long long>(kMinPadWarps) * gridDim.x;
             const int max_chunks = N > 0 ? static_cast<int>(min(room / N, static_cast<long long>(n_spans))) : n_spans;
             if (max_chunks > 0 && (n_spans + spans_per_chunk - 1) / spans_per_chunk > max_chunks) {
-                const int s = (n_spans + max_chunks - 1) / max_chunks;
-                spans_per_chunk = (s + kEncodeSteps - 1) / kEncodeSteps * kEncodeSteps;
+                spans_per_chunk = whole_steps((n_spans + max_chunks - 1) / max_chunks);
             }
         }
-        if (!kBook && FMT != kFmtBf16)
-            spans_per_chunk = (spans_per_chunk + kEncodeSteps - 1) / kEncodeSteps * kEncodeSteps;
+        if (!kBook && FMT != kFmtBf16) spans_per_chunk = whole_steps(spans_per_chunk);
         n_chunks = (n_spans + spans_per_chunk - 1) / spans_per_chunk;
         n_items = N * n_chunks;  // (fits an int: chunks split a token only while warps outnumber tokens)
     };
@@ -387,8 +386,8 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
         }
         if (sb && defer) {
             // the chunk's scale bytes into the token's record (whole words when the row's scales are), its rows'
-            // scale rows noted once (chunk 0). Records and notes are stored evict-last: the tile gather reads them
-            // back after the round's whole payload stream, which would otherwise push them out of L2.
+            // scale rows noted once (chunk 0). Records and the expert rows' notes are stored evict-last: the tile
+            // gather reads them back after the round's whole payload stream, which would otherwise push them out of L2.
             uint8_t* rec = local_scale_record(ep, t);
             const int s_end = last ? sb : s_hi;
             if (sb % 4 == 0) {
