@@ -11,9 +11,9 @@ given at dispatch), dispatch_async, dispatch_wait, combine_async, combine_wait, 
 (fp8, ``out=`` given) and ``ops.fused_silu`` (fp8, ``out=`` given, I = H/2). A batch whose spin kernel had ended
 before its last call is reported (the GPU went idle: raise ``--spin-ms``). Cases: ranks 1 (one real rank) and
 2 (two simulated ranks on one GPU, phase by phase), N in ``--tokens`` (default 1 128 4096), ``--formats``
-(default bf16). The table (median us per call; min beside it) is printed last. ``--base REF`` also times the
-commit REF's cuep, extracted and imported as ``cuep_base`` by benchmarks/ab_baseline.py, alternating with this
-tree's in every batch.
+(default bf16); ``--import-torch`` imports torch first (a torch program's case). The table (median us per call;
+min beside it) is printed last. ``--base REF`` also times the commit REF's cuep, extracted and imported as
+``cuep_base`` by benchmarks/ab_baseline.py, alternating with this tree's in every batch.
 """
 from __future__ import annotations
 
@@ -195,7 +195,12 @@ def main(argv=None) -> int:
     p.add_argument("--device", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write every sample here")
+    p.add_argument("--import-torch", action="store_true",
+                   help="import torch first, as a torch program has (the arguments stay CuPy arrays): every call "
+                        "then looks at its arguments for tensors")
     args = p.parse_args(argv)
+    if args.import_torch:
+        import torch  # noqa: F401
 
     os.environ.setdefault("CUEP_LOG", "0")
     sys.path.insert(0, str(ROOT))
@@ -225,7 +230,7 @@ def main(argv=None) -> int:
         print("WARNING:", w)
     dev = cupy.cuda.runtime.getDeviceProperties(args.device)["name"].decode()
     print(f"\nhost us per call (median of {args.batches} x {args.rounds}; min in brackets), GPU busy, {dev}, "
-          f"{'H=256 K=2 E=8' if args.small else 'H=7168 K=8 E=256'}")
+          f"{'H=256 K=2 E=8' if args.small else 'H=7168 K=8 E=256'}{', torch imported' if args.import_torch else ''}")
     print(table(results, list(pkgs)))
     return 0
 

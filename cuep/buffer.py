@@ -102,6 +102,7 @@ class Buffer:
     # host-side barrier failed
     _closed = False
     _host_error = None
+    _torch = False  # never a torch call's result: cuep.interop's argument scan reads this instead of missing
 
     def __init__(self, group: Group, cfg: EPConfig, *, timeout_s: float = 5.0, num_sms: int | None = None):
         import cupy

@@ -68,6 +68,22 @@ def _is_torch_arg(a, tensor) -> bool:
     return False
 
 
+# Per argument type, for the torch.Tensor in _KINDS_OF: 0 never torch (a CuPy array, a str, None, a number: no
+# _torch attribute and no instance dict to hold one), 1 look at the value with _is_torch_arg (a tensor, a list or
+# tuple, a Dispatched with its _torch flag, any object that may carry one). One dict lookup per argument on the hot
+# path instead of isinstance and a getattr that misses (which costs an exception inside).
+_KINDS: dict = {}
+_KINDS_OF: list = [None]
+
+
+def _kind(t, tensor) -> int:
+    if _KINDS_OF[0] is not tensor:
+        _KINDS.clear()
+        _KINDS_OF[0] = tensor
+    k = _KINDS[t] = int(issubclass(t, (tensor, list, tuple)) or hasattr(t, "_torch") or t.__dictoffset__ != 0)
+    return k
+
+
 def _wants_torch(args, kwargs) -> bool:
     torch = sys.modules.get("torch")
     if torch is None:
@@ -75,11 +91,18 @@ def _wants_torch(args, kwargs) -> bool:
     tensor = getattr(torch, "Tensor", None)
     if tensor is None:
         return False
+    kinds = _KINDS if _KINDS_OF[0] is tensor else {}
     for a in args:  # plain loops: this runs on every call with torch imported, torch arguments or not
-        if _is_torch_arg(a, tensor):
+        k = kinds.get(type(a))
+        if k is None:
+            k = _kind(type(a), tensor)
+        if k and _is_torch_arg(a, tensor):
             return True
     for a in kwargs.values():
-        if _is_torch_arg(a, tensor):
+        k = kinds.get(type(a))
+        if k is None:
+            k = _kind(type(a), tensor)
+        if k and _is_torch_arg(a, tensor):
             return True
     return False
 

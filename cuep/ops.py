@@ -38,7 +38,8 @@ _U32 = np.dtype(np.uint32)
 _ROW_OFFSET_DTYPES = tuple(np.dtype(t) for t in (np.int32, np.uint32, np.int64, np.uint64))
 _DTYPE_SUFFIX = {_BF16: "bf16", _F32: "f32"}
 _X_DTYPES = (_F32, _BF16)
-_quantize_plans: dict[tuple, tuple] = {}  # (Format, H, dtype, device) -> quantize's sizes and launch
+# keys hold the format's name and the dtype's number: hashing a frozen dataclass or a dtype costs per call
+_quantize_plans: dict[tuple, tuple] = {}  # (format name, H, dtype.num, device) -> quantize's sizes and launch
 _silu_plans: dict[tuple, tuple] = {}      # fused_silu's output shapes and launch per argument signature
 
 
@@ -110,11 +111,13 @@ def _check_array(a, argname: str, dtypes, ndim: int, shape=None, align: int = 16
                          f"read it with {align}-byte loads): pass a fresh array, e.g. a .copy()")
 
 
-def _check_global_scale(global_scale) -> np.float32:
-    """nvfp4's g as float32, in [2**-100, 2**100] (as cuep.reference checks it)."""
+def _check_global_scale(global_scale) -> float | np.float32:
+    """nvfp4's g, in [2**-100, 2**100] (as cuep.reference checks it), for a float32 kernel parameter (packing
+    rounds a Python float to float32 as numpy does)."""
     if type(global_scale) is float and GLOBAL_SCALE_MIN <= global_scale <= GLOBAL_SCALE_MAX:
         # the usual case, one comparison: both bounds are float32 values, so the rounded g stays inside them
-        return _F32.type(global_scale)
+        # (returned as is: building a numpy scalar would cost more than the rest of the check)
+        return global_scale
     msg = f"global_scale={global_scale!r} must be a float in [2**-100, 2**100] (nvfp4's global scale)"
     # a number, not a string that np.float32 would parse, nor a bool (as cuep.reference and cuep.dispatch check it)
     if isinstance(global_scale, (bool, np.bool_)) or not isinstance(global_scale, (int, float, np.integer,
@@ -263,7 +266,7 @@ def quantize(x: cupy.ndarray, fmt: str, global_scale: float = 1.0, out=None) -> 
     _check_array(x, "x", _X_DTYPES, 2)
     dev = x.data.device_id  # the current device: the check compared them
     n, h = x.shape
-    key = (f, h, x.dtype, dev)
+    key = (f.name, h, x.dtype.num, dev)
     plan = _quantize_plans.get(key)
     if plan is None:  # once per (format, H, dtype, device): the sizes and the prepared launch
         check_hidden(f, h, "x.shape[1]")
@@ -416,7 +419,7 @@ def fused_silu(h: cupy.ndarray, row_offsets: cupy.ndarray, out_fmt: str = "bf16"
     dev = h.data.device_id  # the current device: the check compared them
     cap, width = h.shape
     ro, n_groups = _check_row_offsets(row_offsets, "h.shape[0] (capacity)", cap, dev)
-    key = (f, h.dtype, cap, width, bool(interleaved), n_groups, dev)
+    key = (f.name, h.dtype.num, cap, width, bool(interleaved), n_groups, dev)
     plan = _silu_plans.get(key)
     if plan is None:
         plan = _silu_plans[key] = _silu_plan(f, h, bool(interleaved), n_groups, dev)

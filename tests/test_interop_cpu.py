@@ -133,6 +133,28 @@ def test_detection_finds_tensors_in_arguments_and_lists(torch):
     assert not interop._wants_torch((types.SimpleNamespace(_torch=False),), {})
 
 
+def test_detection_cache_per_type_is_exact(torch):
+    """The per-type scan cache: a type that cannot carry _torch is skipped, every other is looked at per value,
+    and a fresh torch module (another Tensor class) starts a fresh cache."""
+    class Slotted:
+        __slots__ = ("a",)
+
+    class Plain:
+        pass
+
+    for _ in range(2):  # the second round reads the cache
+        assert not interop._wants_torch((Slotted(), np.zeros(1), "fmt", 1.0, None), {"out": (np.zeros(1),)})
+        p = Plain()
+        assert not interop._wants_torch((p,), {})
+        p._torch = True  # an instance dict can carry the flag: Plain is scanned per value
+        assert interop._wants_torch((p,), {})
+    assert not interop._wants_torch((Slotted(),), {})
+    other = _fake_torch()  # another torch: its Tensor is new to the cache
+    sys.modules["torch"] = other
+    assert interop._wants_torch((other.Tensor((1,), other.float32),), {})
+    assert not interop._wants_torch((torch.Tensor((1,), torch.float32),), {})
+
+
 @pytest.mark.parametrize("name, want", [("float32", np.float32), ("bfloat16", BF16), ("int32", np.int32),
                                         ("int64", np.int64), ("uint8", np.uint8), ("uint32", np.uint32),
                                         ("float8_e4m3fn", np.uint8)])
