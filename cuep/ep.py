@@ -321,7 +321,7 @@ class _Host:
     __slots__ = ("names", "orders", "launches", "hidden", "top_k", "max_tokens", "capacity", "fmt", "cdt",
                  "combine_suffix", "where", "views", "one_rank", "small",
                  "offsets_smem", "results", "plans", "combine_names", "devices", "x_dtypes", "cdts", "ipc",
-                 "recv_name")
+                 "recv_name", "single", "status")
 
     def __init__(self, buf: Buffer):
         cfg = buf.cfg
@@ -340,6 +340,10 @@ class _Host:
         self.x_dtypes, self.cdts = (_bf16(), _F32), (self.cdt,)
         self.ipc = buf.group.kind == "ipc"  # one process per rank: host barriers around launches (_before_launch)
         self.recv_name = f"dispatch.cu:cuep_dispatch_{self.fmt}_from_bf16"  # dispatch_wait's kernel
+        # the calls' short path (_dispatch_single): one local rank of a one-node group, one launch per call
+        self.single = len(buf._ranks) == 1 and buf._ranks[0].node is None and not (
+            buf.group.shares_devices or buf.group.phase_barrier)
+        self.status = buf._ranks[0].err_status  # its status word: nonzero after a failure (Buffer.check)
         self.combine_suffix = "bf16" if cfg.combine_dtype == "bfloat16" else "f32"
         self.where = f"(cfg.combine_dtype={cfg.combine_dtype!r})"
         # a one-rank group's fused calls take the one-rank kernels (a small round or a larger one, any format)
@@ -526,6 +530,45 @@ def _validate_ids(buf: Buffer, ids: list) -> None:
                                  f"token's top-k experts must be distinct")
 
 
+def _dispatch_single(buf, x, topk_ids, topk_weights, global_scale, phases: int):
+    """A dispatch call's common case in few steps, the same launch as :func:`_dispatch`: one local rank (bare
+    arrays, the rank's device current), an open buffer with no failure and nothing pending, arguments right and a
+    launch already prepared. Returns the :class:`Dispatched`, or None (nothing done) for :func:`_dispatch`, which
+    handles every other case and raises with a message."""
+    if type(buf) is not Buffer or buf._closed:
+        return None
+    host = buf._launch_cache.get("host")
+    rounds = buf._rounds
+    if host is None or not host.single or host.status[0] or buf._host_error is not None \
+            or rounds["pending"] is not None or type(x) is not _ND \
+            or x.ndim != 2 or type(global_scale) is not float \
+            or not GLOBAL_SCALE_MIN <= global_scale <= GLOBAL_SCALE_MAX:
+        return None
+    n, dev, w = len(x), host.devices[0], topk_weights
+    if not (0 < n <= host.max_tokens and _rows_ok(x, n, host.hidden, host.x_dtypes, dev, 15)
+            and _rows_ok(topk_ids, n, host.top_k, _I32S, dev, 3)
+            and (w is None or _rows_ok(w, n, host.top_k, _F32S, dev, 3))):
+        return None
+    route = 0
+    if host.one_rank and phases == _PHASES_ALL:
+        route = 1 if (host.small and n <= host.small) else 2
+    dt, bf16 = x.dtype, host.x_dtypes[0]
+    launch = host.plans.get((0, phases, "bf16" if dt is bf16 or dt == bf16 else "f32", route))
+    if launch is None or (not route and host.ipc and "dispatch.cu" not in buf._launched) \
+            or _runtime.getDevice() != dev:
+        return None
+    seq = rounds["dispatches"] + 1
+    d = Dispatched(*host.results[0], n, topk_ids, w is not None, buf, seq)
+    launch.launch_spans(buf.num_sms, (x.data.ptr, topk_ids.data.ptr, 0 if w is None else w.data.ptr),
+                        (n, global_scale, (phases | PHASE_LOCAL_X) if phases & PHASE_RECV and phases & PHASE_SEND
+                         else phases))
+    rounds["local"] = route != 0
+    rounds["dispatches"] = seq
+    if not phases & PHASE_RECV:
+        rounds["pending"] = ("dispatch", seq)
+    return d
+
+
 def _dispatch(buf: Buffer, x, topk_ids, topk_weights, global_scale: float, phases: int, validate: bool = False):
     call = "cuep.dispatch" if phases & PHASE_RECV else "cuep.dispatch_async"
     recv = bool(phases & PHASE_RECV)
@@ -607,6 +650,10 @@ def dispatch(buf: Buffer, x, topk_ids, topk_weights=None, *, global_scale: float
     awaits its wait half. ``x`` must start on a 16-byte boundary, ``topk_ids`` / ``topk_weights`` on a 4-byte one
     (any fresh CuPy or torch allocation does; ``ValueError`` otherwise).
     """
+    if not validate:
+        d = _dispatch_single(buf, x, topk_ids, topk_weights, global_scale, _PHASES_ALL)
+        if d is not None:
+            return d
     res = _dispatch(buf, x, topk_ids, topk_weights, global_scale, PHASE_NOTIFY | PHASE_SEND | PHASE_RECV, validate)
     return res if isinstance(x, (list, tuple)) else res[0]
 
@@ -620,6 +667,10 @@ def dispatch_async(buf: Buffer, x, topk_ids, topk_weights=None, *, global_scale:
     (no dispatch_async without its dispatch_wait, no combine_async without its combine_wait), and nothing but
     :func:`dispatch_wait` may run on ``buf`` until it has been called (``buf.reset()`` forgets the pending half).
     """
+    if not validate:
+        d = _dispatch_single(buf, x, topk_ids, topk_weights, global_scale, PHASE_NOTIFY | PHASE_SEND)
+        if d is not None:
+            return d
     res = _dispatch(buf, x, topk_ids, topk_weights, global_scale, PHASE_NOTIFY | PHASE_SEND, validate)
     return res if isinstance(x, (list, tuple)) else res[0]
 
@@ -792,6 +843,51 @@ def _check_combine_args(buf: Buffer, host: _Host, i: int, d, eo, w, res) -> int:
     return mode
 
 
+def _combine_single(buf, expert_out, dispatched, topk_weights, residual, phases: int):
+    """A combine call's common case in few steps, the same launch as :func:`_combine` (see
+    :func:`_dispatch_single`): one local rank, the latest dispatch's result, right arguments, the round half in
+    order, the output view and the launch already made. Returns the output, or None (nothing done) for
+    :func:`_combine`."""
+    if type(buf) is not Buffer or buf._closed:
+        return None
+    host = buf._launch_cache.get("host")
+    rounds, d, eo, w, rs = buf._rounds, dispatched, expert_out, topk_weights, residual
+    if host is None or not host.single or host.status[0] or buf._host_error is not None \
+            or type(d) is not Dispatched or d._buffer is not buf \
+            or d._seq != rounds["dispatches"] or type(eo) is not _ND or eo.ndim != 2:
+        return None
+    rows, N, dev, cdts = len(eo), d.num_tokens, host.devices[0], host.cdts
+    if not (rows >= host.capacity and _rows_ok(eo, rows, host.hidden, cdts, dev, 15)
+            and (w is None or _rows_ok(w, N, host.top_k, _F32S, dev, 3))
+            and (rs is None or (w is not None or d._has_weights) and _rows_ok(rs, N, host.hidden, cdts, dev, 15))):
+        return None
+    mode = MODE_WEIGHTED if w is not None else MODE_PARTIAL if d._has_weights else MODE_UNREDUCED
+    p = rounds["pending"]
+    if phases == PHASE_RECV:
+        if p is None or p[0] != "combine" or p[2] != [mode] or p[3] != [eo.data.ptr]:
+            return None
+    elif p is not None:
+        return None
+    out = host.views.get((0, mode, N))
+    if out is None:
+        return None
+    local = rounds["local"]
+    ph = 0 if local and not phases & PHASE_RECV else phases
+    if ph:
+        name = host.combine_names[local]
+        smem = host.offsets_smem if local else COMBINE_RING_BYTES if (
+            ph & PHASE_SEND and mode == MODE_PARTIAL and host.combine_suffix == "bf16") else 0
+        launch = host.launches.get((0, name, smem))
+        if launch is None or (host.ipc and "combine.cu" not in buf._launched) or _runtime.getDevice() != dev:
+            return None
+        launch.launch_spans(buf.num_sms, (eo.data.ptr,), (
+            d._topk_ids.data.ptr, 0 if w is None else w.data.ptr, 0 if rs is None else rs.data.ptr, out.data.ptr,
+            N, mode, (ph | PHASE_LOCAL_X) if ph & PHASE_SEND and ph & PHASE_RECV else ph))
+    rounds["pending"] = ("combine", rounds["dispatches"], [mode], [eo.data.ptr]) \
+        if phases == PHASE_NOTIFY | PHASE_SEND else None
+    return out
+
+
 def _combine(buf: Buffer, expert_out, dispatched, topk_weights, residual, phases: int):
     call = _COMBINE_CALLS.get(phases, "cuep.combine")
     if type(buf) is not Buffer or buf._closed:
@@ -900,6 +996,9 @@ def combine(buf: Buffer, expert_out, dispatched, topk_weights=None, *, residual=
         per local rank, [N, H] (or [N, K (+1), H]) in the combine dtype; reused by the next combine.
         Sums accumulate in float32. With ``fused_shared_expert`` the shared group's row t is added with weight 1.
     """
+    out = _combine_single(buf, expert_out, dispatched, topk_weights, residual, _PHASES_ALL)
+    if out is not None:
+        return out
     outs = _combine(buf, expert_out, dispatched, topk_weights, residual, PHASE_NOTIFY | PHASE_SEND | PHASE_RECV)
     return outs if isinstance(dispatched, (list, tuple)) else outs[0]
 
@@ -911,7 +1010,8 @@ def combine_async(buf: Buffer, expert_out, dispatched, topk_weights=None, *, res
     Nothing may be pending on ``buf`` (``RuntimeError``), and ``dispatched`` must be the results of its latest
     dispatch (``ValueError``); until :func:`combine_wait`, nothing else may run on ``buf``.
     """
-    _combine(buf, expert_out, dispatched, topk_weights, residual, PHASE_NOTIFY | PHASE_SEND)
+    if _combine_single(buf, expert_out, dispatched, topk_weights, residual, PHASE_NOTIFY | PHASE_SEND) is None:
+        _combine(buf, expert_out, dispatched, topk_weights, residual, PHASE_NOTIFY | PHASE_SEND)
 
 
 @torch_aware
@@ -921,5 +1021,8 @@ def combine_wait(buf: Buffer, expert_out, dispatched, topk_weights=None, *, resi
     Needs the pending :func:`combine_async` (``RuntimeError`` otherwise: combine_wait without combine_async, or
     twice) and the same ``dispatched``, ``expert_out`` arrays and ``topk_weights`` (given or not) (``ValueError``).
     """
+    out = _combine_single(buf, expert_out, dispatched, topk_weights, residual, PHASE_RECV)
+    if out is not None:
+        return out
     outs = _combine(buf, expert_out, dispatched, topk_weights, residual, PHASE_RECV)
     return outs if isinstance(dispatched, (list, tuple)) else outs[0]
