@@ -671,3 +671,32 @@ def test_launch_floor_kernel_takes_a_struct_the_size_of_the_dispatchs():
     src = (Path(cuep.__file__).parent / "cuda_src" / "bench.cu").read_text()
     words = int(re.search(r"struct LaunchFloorArgs \{\s*long long words\[(\d+)\];", src).group(1))
     assert kernels.LAUNCH_FLOOR_BYTES == 8 * words == params.DISPATCH_PARAMS_DTYPE.itemsize
+
+
+def test_host_python_runs_without_a_gpu(capsys):
+    """benchmarks/host_python.py (the Python part of a call's host cost, launches stubbed) runs on a CPU machine
+    and prints every case; its stand-ins are taken out again (the real cuep.ep still sees CuPy's ndarray)."""
+    import importlib.util
+
+    from cuep import _kernels, ep
+
+    spec = importlib.util.spec_from_file_location("host_python", Path(__file__).parents[1] / "benchmarks" /
+                                                  "host_python.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    saved = (ep._cupy, ep._ND, ep._runtime, ep._kernel, _kernels._launch_raw)
+    from cuep import ops
+    saved_ops = (ops._cupy, ops._ND, dict(ops._prepared))
+    try:
+        assert mod.main(["--reps", "3", "--runs", "1"]) == 0
+    finally:
+        ep._cupy, ep._ND, ep._runtime, ep._kernel, _kernels._launch_raw = saved
+        ops._cupy, ops._ND = saved_ops[:2]
+        ops._prepared.clear()
+        ops._prepared.update(saved_ops[2])
+    out = capsys.readouterr().out
+    for case in ("bf16 dispatch + combine", "bf16 dispatch_async + dispatch_wait", "nvfp4 dispatch + combine",
+                 "ops.quantize fp8 (out=)", "ops.quantize nvfp4 (out=)"):
+        assert case in out
+    rows = [line.split() for line in out.splitlines() if line.startswith(("bf16 ", "nvfp4 ", "ops."))]
+    assert len(rows) == 6 and all(float(r[-1]) > 0 for r in rows)
