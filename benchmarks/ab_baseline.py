@@ -258,6 +258,22 @@ def import_packages(base_parent: Path):
     return base, new
 
 
+def labelled_packages(base: str | None = None, base_dir: str | None = None) -> dict:
+    """The packages a host-cost tool times, by label, each with its ``ops`` module loaded: this tree's ``cuep``
+    alone, or with ``--base`` (a commit) / ``--base-dir`` (a directory) the baseline first, then ``"new"``."""
+    if sys.path[:1] != [str(ROOT)]:
+        sys.path.insert(0, str(ROOT))
+    if base or base_dir:
+        parent, desc = extract_baseline(base) if base else copy_base_dir(Path(base_dir))
+        old, new = import_packages(parent)
+        pkgs = {f"base {desc[:12]}": old, "new": new}
+    else:
+        pkgs = {"cuep": importlib.import_module("cuep")}
+    for pkg in pkgs.values():
+        pkg.ops = importlib.import_module(pkg.__name__ + ".ops")
+    return pkgs
+
+
 def check_module_origins(base_parent: Path) -> list[str]:
     """Loaded ``cuep_base.*`` / ``cuep.*`` modules whose file is not in their own package (should be none)."""
     wrong = []

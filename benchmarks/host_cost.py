@@ -203,25 +203,11 @@ def main(argv=None) -> int:
         import torch  # noqa: F401
 
     os.environ.setdefault("CUEP_LOG", "0")
-    sys.path.insert(0, str(ROOT))
-    pkgs = {}
-    if args.base or args.base_dir:
-        sys.path.insert(0, str(ROOT / "benchmarks"))
-        import ab_baseline as ab
-
-        parent, desc = ab.extract_baseline(args.base) if args.base else ab.copy_base_dir(Path(args.base_dir))
-        base, new = ab.import_packages(parent)
-        pkgs = {f"base {desc[:12]}": base, "new": new}
-    else:
-        import cuep
-
-        pkgs = {"cuep": cuep}
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import ab_baseline as ab
     import cupy
 
-    for pkg in pkgs.values():
-        import importlib
-
-        pkg.ops = importlib.import_module(pkg.__name__ + ".ops")
+    pkgs = ab.labelled_packages(args.base, args.base_dir)
     with cupy.cuda.Device(args.device):
         results, warnings = measure(pkgs, args)
     if args.json:

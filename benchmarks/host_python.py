@@ -33,24 +33,27 @@ H, K, E, T, N = 7168, 8, 256, 4096, 128
 class _Mem:
     __slots__ = ("ptr", "device_id")
 
-    def __init__(self, ptr: int):
-        self.ptr, self.device_id = ptr, 0
+    def __init__(self, ptr: int, device_id: int = 0):
+        self.ptr, self.device_id = ptr, device_id
 
 
 class StandIn:
-    """The fields of a cupy.ndarray that cuep's argument checks read."""
+    """The fields of a cupy.ndarray that cuep's argument checks read (and their messages: strides, device); each
+    gets its own address, ``offset`` bytes past a 16 MiB boundary (tests/test_host_path_cpu.py uses them too)."""
 
     __slots__ = ("_shape", "dtype", "_c_contiguous", "size", "data")
     _next = [1 << 32]
 
-    def __init__(self, shape, dtype):
-        self._shape, self.dtype, self._c_contiguous = tuple(shape), np.dtype(dtype), True
+    def __init__(self, shape, dtype, *, device: int = 0, offset: int = 0, contiguous: bool = True):
+        self._shape, self.dtype, self._c_contiguous = tuple(shape), np.dtype(dtype), contiguous
         self.size = int(np.prod(self._shape))
         StandIn._next[0] += 1 << 24
-        self.data = _Mem(StandIn._next[0])
+        self.data = _Mem(StandIn._next[0] + offset, device)
 
     shape = property(lambda self: self._shape)
     ndim = property(lambda self: len(self._shape))
+    strides = property(lambda self: (0,) * len(self._shape))
+    device = property(lambda self: types.SimpleNamespace(id=self.data.device_id))
 
     def __len__(self) -> int:
         return self._shape[0]
@@ -59,17 +62,23 @@ class StandIn:
         return StandIn((len(range(*s.indices(self._shape[0]))),) + self._shape[1:], self.dtype)
 
 
-class _Runtime:
-    @staticmethod
-    def getDevice() -> int:
-        return 0
+class StandInRuntime:
+    """cupy.cuda.runtime's current device, as a class attribute."""
 
-    @staticmethod
-    def setDevice(d: int) -> None:
-        pass
+    device = 0
+
+    @classmethod
+    def getDevice(cls) -> int:
+        return cls.device
+
+    @classmethod
+    def setDevice(cls, d: int) -> None:
+        cls.device = d
 
 
-class _Device:
+class StandInDevice:
+    """``with cupy.cuda.Device(d):``, doing nothing."""
+
     def __init__(self, *a):
         pass
 
@@ -80,6 +89,10 @@ class _Device:
         return False
 
 
+STAND_IN_CUPY = types.SimpleNamespace(ndarray=StandIn, cuda=types.SimpleNamespace(runtime=StandInRuntime,
+                                                                                    Device=StandInDevice))
+
+
 def cases(pkg) -> dict:
     """{label: a function making one pair of calls} on stand-ins, for the package ``pkg`` (cuep or cuep_base)."""
     import ml_dtypes
@@ -87,10 +100,9 @@ def cases(pkg) -> dict:
     name = pkg.__name__
     ep, ops, kernels, params, buffer, config = (importlib.import_module(f"{name}.{m}") for m in (
         "ep", "ops", "_kernels", "params", "buffer", "config"))
-    fake = types.SimpleNamespace(ndarray=StandIn, cuda=types.SimpleNamespace(runtime=_Runtime, Device=_Device))
-    ep._cupy, ep._ND, ops._cupy, ops._ND = fake, StandIn, fake, StandIn
+    ep._cupy, ep._ND, ops._cupy, ops._ND = STAND_IN_CUPY, StandIn, STAND_IN_CUPY, StandIn
     if hasattr(ep, "_runtime"):
-        ep._runtime = _Runtime
+        ep._runtime = StandInRuntime
     kernels._launch_raw = lambda *a: None
     fn = types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=1))
     ep._kernel = lambda kernel_name, smem: fn
@@ -155,20 +167,10 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=2000, help="calls per timed run (default %(default)s)")
     p.add_argument("--runs", type=int, default=15, help="timed runs per case and package (default %(default)s)")
     args = p.parse_args(argv)
-    sys.path.insert(0, str(ROOT))
-    if args.base or args.base_dir:
-        sys.path.insert(0, str(ROOT / "benchmarks"))
-        import ab_baseline as ab
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import ab_baseline as ab
 
-        parent, desc = ab.extract_baseline(args.base) if args.base else ab.copy_base_dir(Path(args.base_dir))
-        base, new = ab.import_packages(parent)
-        pkgs = {f"base {desc[:12]}": base, "new": new}
-    else:
-        import cuep
-
-        pkgs = {"cuep": cuep}
-    for pkg in pkgs.values():
-        pkg.ops = importlib.import_module(pkg.__name__ + ".ops")
+    pkgs = ab.labelled_packages(args.base, args.base_dir)
     timed = {label: cases(pkg) for label, pkg in pkgs.items()}
     for fns in timed.values():
         for f in fns.values():

@@ -530,6 +530,21 @@ def _validate_ids(buf: Buffer, ids: list) -> None:
                                  f"token's top-k experts must be distinct")
 
 
+def _route(host: _Host, phases: int, n: int) -> int:
+    """Which kernel a rank's dispatch launch takes: 0 the protocol; one rank's fused call
+    (cuda_src/dispatch/local.cuh) 1 a small round (n <= small_batch_tokens), 2 a larger one."""
+    if not (host.one_rank and phases == _PHASES_ALL):
+        return 0
+    return 1 if (host.small and n <= host.small) else 2
+
+
+def _with_one_call(phases: int) -> int:
+    """``phases`` plus PHASE_LOCAL_X when one call both sends and receives: every launch of such a call says so,
+    so a rank's send and receive phases agree on it (dispatch: local tokens from x; combine: a partial-sum round
+    with one destination rank finishes its tokens in the send half)."""
+    return phases | PHASE_LOCAL_X if phases & PHASE_SEND and phases & PHASE_RECV else phases
+
+
 def _dispatch_single(buf, x, topk_ids, topk_weights, global_scale, phases: int):
     """A dispatch call's common case in few steps, the same launch as :func:`_dispatch`: one local rank (bare
     arrays, the rank's device current), an open buffer with no failure and nothing pending, arguments right and a
@@ -549,9 +564,7 @@ def _dispatch_single(buf, x, topk_ids, topk_weights, global_scale, phases: int):
             and _rows_ok(topk_ids, n, host.top_k, _I32S, dev, 3)
             and (w is None or _rows_ok(w, n, host.top_k, _F32S, dev, 3))):
         return None
-    route = 0
-    if host.one_rank and phases == _PHASES_ALL:
-        route = 1 if (host.small and n <= host.small) else 2
+    route = _route(host, phases, n)
     dt, bf16 = x.dtype, host.x_dtypes[0]
     launch = host.plans.get((0, phases, "bf16" if dt is bf16 or dt == bf16 else "f32", route))
     if launch is None or (not route and host.ipc and "dispatch.cu" not in buf._launched) \
@@ -560,8 +573,7 @@ def _dispatch_single(buf, x, topk_ids, topk_weights, global_scale, phases: int):
     seq = rounds["dispatches"] + 1
     d = Dispatched(*host.results[0], n, topk_ids, w is not None, buf, seq)
     launch.launch_spans(buf.num_sms, (x.data.ptr, topk_ids.data.ptr, 0 if w is None else w.data.ptr),
-                        (n, global_scale, (phases | PHASE_LOCAL_X) if phases & PHASE_RECV and phases & PHASE_SEND
-                         else phases))
+                        (n, global_scale, _with_one_call(phases)))
     rounds["local"] = route != 0
     rounds["dispatches"] = seq
     if not phases & PHASE_RECV:
@@ -589,8 +601,7 @@ def _dispatch(buf: Buffer, x, topk_ids, topk_weights, global_scale: float, phase
     seq = rounds["dispatches"] + 1  # this dispatch's number (counted once it has launched)
     # positional (the field order of Dispatched): tokens .. rank, num_tokens, _topk_ids, _has_weights, _buffer, _seq
     results = [Dispatched(*host.results[i], ns[i], ids[i], ws[i] is not None, buf, seq) for i in range(n)]
-    # every launch of a call that sends and receives says so, so a rank's send and receive phases agree on it
-    local_x = PHASE_LOCAL_X if (phases & PHASE_SEND and phases & PHASE_RECV) else 0
+    local_x = _with_one_call(phases) & PHASE_LOCAL_X  # the call's, on each of its launches (a phase apiece, shared)
     if buf._ranks[0].node is not None:  # several nodes (one rank per process): cuep.internode
         from . import internode
 
@@ -608,9 +619,7 @@ def _dispatch(buf: Buffer, x, topk_ids, topk_weights, global_scale: float, phase
             x, w, num = xs[i], ws[i], ns[i]
             dt = x.dtype
             src = "bf16" if dt is bf16 or dt == bf16 else "f32"
-            route = 0  # the protocol; one rank (cuda_src/dispatch/local.cuh): a small round (1), a larger one (2)
-            if host.one_rank and ph == _PHASES_ALL:
-                route = 1 if (host.small and num <= host.small) else 2
+            route = _route(host, ph, num)
             launch = host.plans.get((i, ph, src, route)) or _dispatch_plan(buf, host, i, ph, src, route)
             if route:
                 rounds["local"] = True
@@ -882,7 +891,7 @@ def _combine_single(buf, expert_out, dispatched, topk_weights, residual, phases:
             return None
         launch.launch_spans(buf.num_sms, (eo.data.ptr,), (
             d._topk_ids.data.ptr, 0 if w is None else w.data.ptr, 0 if rs is None else rs.data.ptr, out.data.ptr,
-            N, mode, (ph | PHASE_LOCAL_X) if ph & PHASE_SEND and ph & PHASE_RECV else ph))
+            N, mode, _with_one_call(ph)))
     rounds["pending"] = ("combine", rounds["dispatches"], [mode], [eo.data.ptr]) \
         if phases == PHASE_NOTIFY | PHASE_SEND else None
     return out
@@ -941,9 +950,7 @@ def _combine(buf: Buffer, expert_out, dispatched, topk_weights, residual, phases
     if local and not phases & PHASE_RECV:
         phases = 0
     name = host.combine_names[local]
-    # every launch of a call that sends and receives says so: a partial-sum round with one destination rank then
-    # finishes its tokens in the send half (combine/slots.cuh direct_out), and the receive half must agree
-    one_call = PHASE_LOCAL_X if (phases & PHASE_SEND and phases & PHASE_RECV) else 0
+    one_call = _with_one_call(phases) & PHASE_LOCAL_X  # the call's, on each launch (combine/slots.cuh direct_out)
     if buf._ranks[0].node is not None:  # several nodes: cuep.internode
         from . import internode
 

@@ -8,7 +8,9 @@ message or handles the case.
 """
 from __future__ import annotations
 
+import importlib.util
 import types
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -22,65 +24,22 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 H, K, E, T = 256, 2, 8, 64
 
 
-class _Mem:
-    __slots__ = ("ptr", "device_id")
-
-    def __init__(self, ptr: int, device_id: int = 0):
-        self.ptr, self.device_id = ptr, device_id
-
-
-class FakeArray:
-    """What the checks read of a cupy.ndarray: dtype, contiguity, ndim, size, len, shape, data.ptr / device_id."""
-
-    __slots__ = ("_shape", "dtype", "_c_contiguous", "size", "data")
-    _next = [1 << 32]
-
-    def __init__(self, shape, dtype, *, device: int = 0, offset: int = 0, contiguous: bool = True):
-        self._shape, self.dtype, self._c_contiguous = tuple(shape), np.dtype(dtype), contiguous
-        self.size = int(np.prod(self._shape))
-        FakeArray._next[0] += 1 << 24
-        self.data = _Mem(FakeArray._next[0] + offset, device)
-
-    shape = property(lambda self: self._shape)
-    ndim = property(lambda self: len(self._shape))
-    strides = property(lambda self: (0,) * len(self._shape))
-    device = property(lambda self: types.SimpleNamespace(id=self.data.device_id))
-
-    def __len__(self) -> int:
-        return self._shape[0]
-
-    def __getitem__(self, s):
-        return FakeArray((len(range(*s.indices(self._shape[0]))),) + self._shape[1:], self.dtype)
+def _stand_ins():
+    spec = importlib.util.spec_from_file_location("host_python", Path(__file__).parents[1] / "benchmarks" /
+                                                  "host_python.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
-class _Runtime:
-    device = 0
-
-    @classmethod
-    def getDevice(cls) -> int:
-        return cls.device
-
-    @classmethod
-    def setDevice(cls, d: int) -> None:
-        cls.device = d
-
-
-class _DeviceCtx:
-    def __init__(self, *a):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
+_hp = _stand_ins()  # benchmarks/host_python.py: the stand-in arrays, runtime and cupy module
+FakeArray, _Runtime = _hp.StandIn, _hp.StandInRuntime
 
 
 @pytest.fixture
 def launches(monkeypatch):
     """Stand-in CuPy for cuep.ep; every launch recorded as (kernel name, grid, block, smem, parameter bytes)."""
-    fake = types.SimpleNamespace(ndarray=FakeArray, cuda=types.SimpleNamespace(runtime=_Runtime, Device=_DeviceCtx))
-    monkeypatch.setattr(ep, "_cupy", fake)
+    monkeypatch.setattr(ep, "_cupy", _hp.STAND_IN_CUPY)
     monkeypatch.setattr(ep, "_ND", FakeArray)
     monkeypatch.setattr(ep, "_runtime", _Runtime)
     monkeypatch.setattr(_Runtime, "device", 0)
