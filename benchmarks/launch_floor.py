@@ -102,9 +102,8 @@ def main(argv=None) -> int:
         "ep._check_nothing_pending": lambda: ep._check_nothing_pending(buf, "c"),
         "launch plan lookup (cached)": lambda: host.plans.get((0, 7, "bf16", 1)),
         "x.data.ptr x3": lambda: (x.data.ptr, ids.data.ptr, w.data.ptr),
-        "prepared: pack the call's head and tail": lambda: (prep.head.pack_into(prep.raw, prep.head_offset, *call),
-                                                            prep.tail.pack_into(prep.raw, prep.tail_offset, *tail)),
-        "prepared launch (dispatch one-rank)": lambda: prep.launch_spans(buf.num_sms, call, tail),
+        "prepared: pack the call's fields": lambda: prep.call.pack_into(prep.raw, prep.call_offset, *call, *tail),
+        "prepared launch (dispatch one-rank)": lambda: prep.launch_call(buf.num_sms, *call, *tail),
         "ep._dispatch_launch (cached)": lambda: ep._dispatch_launch(buf, staged=False),
         "ep._prepared (cached)": lambda: ep._prepared(buf, 0, "dispatch.cu:cuep_dispatch_local_bf16_from_bf16",
                                                       threads, smem),
@@ -122,8 +121,23 @@ def main(argv=None) -> int:
         cuep.combine_async(buf, eo, dd)
         cuep.combine_wait(buf, eo, dd)
 
+    from cuep import _kernels
+
+    real_launch = _kernels._launch_raw
+
+    def stubbed(fn):
+        def run():
+            _kernels._launch_raw = lambda *a: None
+            try:
+                fn()
+            finally:
+                _kernels._launch_raw = real_launch
+        return run
+
     pieces["cuep.dispatch (whole)"] = whole_dispatch
+    pieces["cuep.dispatch (launch stubbed)"] = stubbed(whole_dispatch)
     pieces["cuep.dispatch + combine (whole)"] = whole_pair
+    pieces["cuep.dispatch + combine (launch stubbed)"] = stubbed(whole_pair)
     pieces["dispatch + combine_async + combine_wait"] = async_pair
 
     spin = Spin(a.spin_ms)

@@ -183,8 +183,8 @@ class PreparedLaunch:
         pack: packs one call's values into the buffer at ``pack_offset``.
     """
 
-    __slots__ = ("kernel", "func", "block", "smem", "raw", "argv", "argv_ptr", "pack", "pack_offset", "head",
-                 "head_offset", "tail", "tail_offset")
+    __slots__ = ("kernel", "func", "block", "smem", "raw", "argv", "argv_ptr", "pack", "pack_offset", "call",
+                 "call_offset")
 
     def __init__(self, fn, block: int, smem: int, size: int, arg_offsets, pack: struct.Struct, pack_offset: int = 0):
         self.kernel = fn  # keeps the module (and so the CUfunction) loaded
@@ -195,12 +195,11 @@ class PreparedLaunch:
         self.argv = (ctypes.c_void_p * len(arg_offsets))(*(base + o for o in arg_offsets))
         self.argv_ptr = ctypes.addressof(self.argv)
         self.pack, self.pack_offset = pack, pack_offset
-        self.head = self.tail = None
-        self.head_offset = self.tail_offset = 0
+        self.call, self.call_offset = pack, pack_offset
 
-    def set_spans(self, head: struct.Struct, head_offset: int, tail: struct.Struct, tail_offset: int) -> None:
-        """The two parts of the buffer that change per call (:meth:`launch_spans`); the rest stays as packed."""
-        self.head, self.head_offset, self.tail, self.tail_offset = head, head_offset, tail, tail_offset
+    def set_call(self, call: struct.Struct, call_offset: int) -> None:
+        """The part of the buffer that changes per call (:meth:`launch_call`); the rest stays as packed."""
+        self.call, self.call_offset = call, call_offset
 
     def write(self, offset: int, data: bytes) -> None:
         """Fixed bytes of every launch (e.g. a by-value struct's constant part)."""
@@ -211,11 +210,10 @@ class PreparedLaunch:
         self.pack.pack_into(self.raw, self.pack_offset, *values)
         _launch_raw(self.func, grid, self.block, self.smem, self.argv_ptr)
 
-    def launch_spans(self, grid: int, head: tuple, tail: tuple) -> None:
-        """Launch with only the head and tail spans repacked (:meth:`set_spans`; one full :meth:`__call__` or
-        :meth:`write` first puts the fixed values between them)."""
-        self.head.pack_into(self.raw, self.head_offset, *head)
-        self.tail.pack_into(self.raw, self.tail_offset, *tail)
+    def launch_call(self, grid: int, *values) -> None:
+        """Launch with only the call's span repacked (:meth:`set_call`; one full :meth:`__call__` or :meth:`write`
+        first puts the fixed values after it): one ``pack_into`` of ``values``."""
+        self.call.pack_into(self.raw, self.call_offset, *values)
         _launch_raw(self.func, grid, self.block, self.smem, self.argv_ptr)
 
 

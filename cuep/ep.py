@@ -26,8 +26,8 @@ import numpy as np
 from . import _kernels
 from .buffer import Buffer
 from .interop import torch_aware
-from .params import (COMBINE_PARAMS_DTYPE, DISPATCH_PARAMS_DTYPE, c_contiguous, call_struct, kernel_argument,
-                     launch_record, pointer)
+from .params import (CALL_FIELDS, COMBINE_PARAMS_DTYPE, DISPATCH_PARAMS_DTYPE, c_contiguous, call_struct,
+                     kernel_argument, launch_record, pointer)
 from .formats import GLOBAL_SCALE_MAX, GLOBAL_SCALE_MIN
 
 PHASE_NOTIFY, PHASE_SEND, PHASE_RECV = 1, 2, 4
@@ -371,13 +371,6 @@ def _host(buf: Buffer) -> _Host:
     return h
 
 
-# The call fields of DispatchArgs / CombineArgs that change from call to call, at the head and the tail of the struct;
-# the ones between are the rank's persistent arrays, written once into the prepared launch.
-_CALL_FIELDS = {"dispatch": (("x", "topk_ids", "topk_weights"), ("num_tokens", "global_scale", "phases")),
-                "combine": (("expert_out",), ("topk_ids", "topk_weights", "residual", "out", "num_tokens", "mode",
-                                              "phases"))}
-
-
 def _combine_fixed(r) -> dict:
     """A rank's arrays that every combine launch reads, as CombineArgs pointer fields."""
     return {name: pointer(getattr(r, name)) for name in (
@@ -387,7 +380,7 @@ def _combine_fixed(r) -> dict:
 def _prepared(buf: Buffer, i: int, name: str, threads: int, smem: int):
     """The prepared launch of kernel ``file.cu:name`` for local rank ``i``, made on first use on the rank's device
     (the current one), then reused by every call: the rank's EPParams and fixed arrays are packed once; a call
-    packs its own fields, at the head and the tail of the struct (``launch.launch_spans(grid, head, tail)``)."""
+    packs its own fields, the start of the struct (``launch.launch_call(grid, *values)``: params.CALL_FIELDS)."""
     host = _host(buf)
     key = (i, name, smem)
     hit = host.launches.get(key)
@@ -401,15 +394,14 @@ def _prepared(buf: Buffer, i: int, name: str, threads: int, smem: int):
     dtype = DISPATCH_PARAMS_DTYPE if kind == "dispatch" else COMBINE_PARAMS_DTYPE
     fixed = _dispatch_outputs(r) if kind == "dispatch" else _combine_fixed(r)
     pack, offset, names = call_struct(dtype)
-    head, tail = _CALL_FIELDS[kind]
-    if names[:len(head)] != head or names[len(names) - len(tail):] != tail or \
-            set(names[len(head):len(names) - len(tail)]) != set(fixed):
-        raise RuntimeError(f"cuep.params {kind} call fields {names} do not match ep.py's {head} ... {tail}")
+    call = CALL_FIELDS[kind]
+    if names[:len(call)] != call or set(names[len(call):]) != set(fixed):
+        raise RuntimeError(f"cuep.params {kind} call fields {names}: not {call} then the fixed {sorted(fixed)}")
     fn = _kernel(name, smem)
     launch = PreparedLaunch(fn, threads, smem, dtype.itemsize, (0,), pack, offset)
     launch.write(dtype.fields["ep"][1], r.params.tobytes())
     launch.pack.pack_into(launch.raw, offset, *(fixed.get(n, 0) for n in names))
-    launch.set_spans(*span_struct(dtype, head), *span_struct(dtype, tail))
+    launch.set_call(*span_struct(dtype, call))
     host.launches[key] = launch
     return launch
 
@@ -572,8 +564,8 @@ def _dispatch_single(buf, x, topk_ids, topk_weights, global_scale, phases: int):
         return None
     seq = rounds["dispatches"] + 1
     d = Dispatched(*host.results[0], n, topk_ids, w is not None, buf, seq)
-    launch.launch_spans(buf.num_sms, (x.data.ptr, topk_ids.data.ptr, 0 if w is None else w.data.ptr),
-                        (n, global_scale, _with_one_call(phases)))
+    launch.launch_call(buf.num_sms, x.data.ptr, topk_ids.data.ptr, 0 if w is None else w.data.ptr, n, global_scale,
+                       _with_one_call(phases))
     rounds["local"] = route != 0
     rounds["dispatches"] = seq
     if not phases & PHASE_RECV:
@@ -626,8 +618,8 @@ def _dispatch(buf: Buffer, x, topk_ids, topk_weights, global_scale: float, phase
             else:
                 if host.ipc:
                     _before_launch(buf, "dispatch.cu")  # after the plan: the first one compiles
-            launch.launch_spans(buf.num_sms, (x.data.ptr, ids[i].data.ptr, 0 if w is None else w.data.ptr),
-                                (num, global_scale, ph | local_x))
+            launch.launch_call(buf.num_sms, x.data.ptr, ids[i].data.ptr, 0 if w is None else w.data.ptr, num,
+                               global_scale, ph | local_x)
     finally:
         if dev != home:
             runtime.setDevice(home)
@@ -716,7 +708,7 @@ def dispatch_wait(pending):
                                                                                 smem)
             if host.ipc:
                 _before_launch(buf, "dispatch.cu")
-            launch.launch_spans(buf.num_sms, (0, 0, 0), (ordered[i].num_tokens, 1.0, ph))
+            launch.launch_call(buf.num_sms, 0, 0, 0, ordered[i].num_tokens, 1.0, ph)
     finally:
         if dev != home:
             runtime.setDevice(home)
@@ -889,9 +881,8 @@ def _combine_single(buf, expert_out, dispatched, topk_weights, residual, phases:
         launch = host.launches.get((0, name, smem))
         if launch is None or (host.ipc and "combine.cu" not in buf._launched) or _runtime.getDevice() != dev:
             return None
-        launch.launch_spans(buf.num_sms, (eo.data.ptr,), (
-            d._topk_ids.data.ptr, 0 if w is None else w.data.ptr, 0 if rs is None else rs.data.ptr, out.data.ptr,
-            N, mode, _with_one_call(ph)))
+        launch.launch_call(buf.num_sms, eo.data.ptr, d._topk_ids.data.ptr, 0 if w is None else w.data.ptr,
+                           0 if rs is None else rs.data.ptr, out.data.ptr, N, mode, _with_one_call(ph))
     rounds["pending"] = ("combine", rounds["dispatches"], [mode], [eo.data.ptr]) \
         if phases == PHASE_NOTIFY | PHASE_SEND else None
     return out
@@ -974,9 +965,9 @@ def _combine(buf: Buffer, expert_out, dispatched, topk_weights, residual, phases
             if host.ipc:
                 _before_launch(buf, "combine.cu")
             w, rs = ws[i], res[i]
-            launch.launch_spans(buf.num_sms, (eos[i].data.ptr,), (
-                d._topk_ids.data.ptr, 0 if w is None else w.data.ptr, 0 if rs is None else rs.data.ptr,
-                outs[i].data.ptr, d.num_tokens, mode, ph | one_call))
+            launch.launch_call(buf.num_sms, eos[i].data.ptr, d._topk_ids.data.ptr, 0 if w is None else w.data.ptr,
+                               0 if rs is None else rs.data.ptr, outs[i].data.ptr, d.num_tokens, mode,
+                               ph | one_call)
     finally:
         if dev != home:
             runtime.setDevice(home)

@@ -29,21 +29,27 @@ EP_PARAMS_DTYPE = np.dtype([(f, np.int64) for f in EP_PARAMS_FIELDS] + [("peer_b
 
 _PTR = np.uint64  # device pointers (0 = nullptr)
 
-#: DispatchArgs: pointers first, then the scalars (the C struct's order).
+#: DispatchArgs (the C struct's order): first the fields that change from call to call (CALL_FIELDS: one span, so
+#: a prepared launch packs them with one ``struct.pack_into``), then the rank's persistent arrays.
 DISPATCH_ARGS_DTYPE = np.dtype([
-    ("x", _PTR), ("topk_ids", _PTR), ("topk_weights", _PTR), ("scales_out", _PTR), ("row_offsets", _PTR),
-    ("expert_ids", _PTR), ("scales_offsets", _PTR), ("src_info", _PTR), ("row_src", _PTR), ("row_weight", _PTR),
-    ("msg_rows", _PTR), ("msg_token", _PTR), ("msg_j", _PTR), ("msg_count", _PTR),
+    ("x", _PTR), ("topk_ids", _PTR), ("topk_weights", _PTR),
     ("num_tokens", np.int32), ("global_scale", np.float32), ("phases", np.int32),
+    ("scales_out", _PTR), ("row_offsets", _PTR), ("expert_ids", _PTR), ("scales_offsets", _PTR), ("src_info", _PTR),
+    ("row_src", _PTR), ("row_weight", _PTR), ("msg_rows", _PTR), ("msg_token", _PTR), ("msg_j", _PTR),
+    ("msg_count", _PTR),
 ], align=True)
 
-#: CombineArgs.
+#: CombineArgs, ordered as DispatchArgs (the call's fields first).
 COMBINE_ARGS_DTYPE = np.dtype([
-    ("expert_out", _PTR), ("src_info", _PTR), ("row_src", _PTR), ("row_weight", _PTR), ("msg_rows", _PTR),
-    ("msg_token", _PTR), ("msg_j", _PTR), ("msg_count", _PTR), ("row_offsets", _PTR), ("topk_ids", _PTR),
-    ("topk_weights", _PTR), ("residual", _PTR), ("out", _PTR),
+    ("expert_out", _PTR), ("topk_ids", _PTR), ("topk_weights", _PTR), ("residual", _PTR), ("out", _PTR),
     ("num_tokens", np.int32), ("mode", np.int32), ("phases", np.int32),
+    ("src_info", _PTR), ("row_src", _PTR), ("row_weight", _PTR), ("msg_rows", _PTR), ("msg_token", _PTR),
+    ("msg_j", _PTR), ("msg_count", _PTR), ("row_offsets", _PTR),
 ], align=True)
+
+#: The fields of each call struct that change from call to call, in order, at its start.
+CALL_FIELDS = {"dispatch": ("x", "topk_ids", "topk_weights", "num_tokens", "global_scale", "phases"),
+               "combine": ("expert_out", "topk_ids", "topk_weights", "residual", "out", "num_tokens", "mode", "phases")}
 
 DISPATCH_PARAMS_DTYPE = np.dtype([("ep", EP_PARAMS_DTYPE), ("call", DISPATCH_ARGS_DTYPE)], align=True)
 COMBINE_PARAMS_DTYPE = np.dtype([("ep", EP_PARAMS_DTYPE), ("call", COMBINE_ARGS_DTYPE)], align=True)

@@ -53,13 +53,13 @@ def launches(monkeypatch):
     monkeypatch.setattr(ep, "_kernel", kernel)
     monkeypatch.setattr(_kernels, "_launch_raw", lambda *a: None)
     log = []
-    spans = _kernels.PreparedLaunch.launch_spans
+    launch_call = _kernels.PreparedLaunch.launch_call
 
-    def record(self, grid, head, tail):
-        spans(self, grid, head, tail)
+    def record(self, grid, *values):
+        launch_call(self, grid, *values)
         log.append((names[self.func], grid, self.block, self.smem, bytes(self.raw)))
 
-    monkeypatch.setattr(_kernels.PreparedLaunch, "launch_spans", record)
+    monkeypatch.setattr(_kernels.PreparedLaunch, "launch_call", record)
     return log
 
 

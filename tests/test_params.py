@@ -91,7 +91,8 @@ def test_ep_params_record():
 def test_kernel_argument_is_the_record_bytes():
     ep = params.ep_params({**{f: 7 for f in params.EP_PARAMS_FIELDS}, "peer_base": [1, 2]})
     names = params.DISPATCH_ARGS_DTYPE.names
-    call = {n: i + 1 for i, n in enumerate(names[:14])}  # the pointers, x = 1
+    scalars = ("num_tokens", "global_scale", "phases")
+    call = {n: i + 1 for i, n in enumerate(n for n in names if n not in scalars)}  # the pointers, x = 1
     rec = params.launch_record(params.DISPATCH_PARAMS_DTYPE, ep, **call, num_tokens=128, global_scale=0.5, phases=7)
     assert rec["call"]["global_scale"][0] == 0.5 and rec["call"]["phases"][0] == 7
     with pytest.raises(ValueError, match=r"missing fields \['phases'\]"):
@@ -130,16 +131,16 @@ def test_call_struct_packs_the_record_bytes(dtype):
         assert got["call"][n][0] == rec["call"][n][0], n
 
 
-@pytest.mark.parametrize("dtype,head,tail", [
-    (params.DISPATCH_PARAMS_DTYPE, ("x", "topk_ids", "topk_weights"), ("num_tokens", "global_scale", "phases")),
-    (params.COMBINE_PARAMS_DTYPE, ("expert_out",), ("topk_ids", "topk_weights", "residual", "out", "num_tokens",
-                                                   "mode", "phases"))])
-def test_span_structs_repack_only_the_call_fields(dtype, head, tail):
-    """A prepared launch packs the whole call part once, then per call only its head and tail spans
-    (params.span_struct): the bytes equal launch_record's, and the fixed fields between are left as written."""
+@pytest.mark.parametrize("kind,dtype", [("dispatch", params.DISPATCH_PARAMS_DTYPE),
+                                        ("combine", params.COMBINE_PARAMS_DTYPE)])
+def test_call_span_repacks_only_the_call_fields(kind, dtype):
+    """A prepared launch packs the whole call part once, then per call only the call's span at its start
+    (params.CALL_FIELDS, params.span_struct): the bytes equal launch_record's, and the fixed fields after it are
+    left as written."""
     ep = params.ep_params({**{f: 5 + i for i, f in enumerate(params.EP_PARAMS_FIELDS)}, "peer_base": [9, 10]})
     pack, offset, names = params.call_struct(dtype)
-    assert names[:len(head)] == head and names[len(names) - len(tail):] == tail
+    call = params.CALL_FIELDS[kind]
+    assert names[:len(call)] == call
 
     def value(n, i, salt):
         kind = dtype["call"].fields[n][0]
@@ -151,11 +152,11 @@ def test_span_structs_repack_only_the_call_fields(dtype, head, tail):
     raw[:offset] = ep.tobytes()
     pack.pack_into(raw, offset, *(first[n] for n in names))
     second = dict(first)
-    for span in (head, tail):
-        s, off = params.span_struct(dtype, span)
-        vals = [value(n, names.index(n), 7) for n in span]
-        second.update(zip(span, vals))
-        s.pack_into(raw, off, *vals)
+    s, off = params.span_struct(dtype, call)
+    assert off == offset  # the call's span starts the call part
+    vals = [value(n, names.index(n), 7) for n in call]
+    second.update(zip(call, vals))
+    s.pack_into(raw, off, *vals)
     got = np.frombuffer(bytes(raw), dtype)
     rec = params.launch_record(dtype, ep, **second)
     assert got["ep"].tobytes() == rec["ep"].tobytes()

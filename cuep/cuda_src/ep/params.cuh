@@ -78,11 +78,16 @@ constexpr int kPhaseRecv = 4;     // wait for it and lay it out
 // a small bf16 round's receiver then takes its own tokens straight from x (local_from_x), and no sender stages them
 constexpr int kPhaseLocalX = 8;
 
-// One dispatch call (cuep/params.py: DISPATCH_ARGS_FIELDS).
+// One dispatch call (cuep/params.py: DISPATCH_ARGS_DTYPE).
 struct DispatchArgs {
+    // the call's own fields first (cuep/params.py CALL_FIELDS: one span, packed per call)
     const void* x;              // [N, H] bf16 or float32 (nullptr in a receive-only launch)
     const int* topk_ids;        // [N, K]
     const float* topk_weights;  // [N, K] or nullptr
+    int num_tokens;
+    float global_scale;         // nvfp4
+    int phases;                 // kPhase* bits
+    // the rank's persistent arrays
     void* scales_out;           // fp8: float32 [n_scales, capacity]; fp4: swizzled bytes; bf16: unused
     unsigned* row_offsets;      // [G + 1]
     int* expert_ids;            // [G]
@@ -94,16 +99,20 @@ struct DispatchArgs {
     int* msg_token;             // [n_src, T]
     int* msg_j;                 // [n_src, T] my position among the token's destination ranks
     int* msg_count;             // [n_src]
-    int num_tokens;
-    float global_scale;         // nvfp4
-    int phases;                 // kPhase* bits
 };
 
 enum CombineMode : int { kPartial = 0, kWeighted = 1, kUnreduced = 2 };
 
-// One combine call (cuep/params.py: COMBINE_ARGS_FIELDS).
+// One combine call (cuep/params.py: COMBINE_ARGS_DTYPE), ordered as DispatchArgs.
 struct CombineArgs {
     const void* expert_out;     // [capacity, H] combine dtype: row i is the expert output of dispatched row i
+    const int* topk_ids;        // [N, K] of this rank's tokens (as passed to dispatch)
+    const float* topk_weights;  // [N, K] (kWeighted) or nullptr
+    const void* residual;       // [N, H] or nullptr
+    void* out;                  // [N, H] or [N, K (+1), H]
+    int num_tokens;
+    int mode;                   // CombineMode
+    int phases;                 // kPhase* bits
     const int* src_info;        // [capacity, 2]
     const int* row_src;         // [capacity]
     const float* row_weight;    // [capacity]
@@ -112,13 +121,6 @@ struct CombineArgs {
     const int* msg_j;           // [n_src, T]
     const int* msg_count;       // [n_src]
     const unsigned* row_offsets;  // [G + 1]
-    const int* topk_ids;        // [N, K] of this rank's tokens (as passed to dispatch)
-    const float* topk_weights;  // [N, K] (kWeighted) or nullptr
-    const void* residual;       // [N, H] or nullptr
-    void* out;                  // [N, H] or [N, K (+1), H]
-    int num_tokens;
-    int mode;                   // CombineMode
-    int phases;                 // kPhase* bits
 };
 
 struct DispatchParams {
