@@ -11,7 +11,8 @@ given at dispatch), dispatch_async, dispatch_wait, combine_async, combine_wait, 
 (fp8, ``out=`` given) and ``ops.fused_silu`` (fp8, ``out=`` given, I = H/2). A batch whose spin kernel had ended
 before its last call is reported (the GPU went idle: raise ``--spin-ms``). Cases: ranks 1 (one real rank) and
 2 (two simulated ranks on one GPU, phase by phase), N in ``--tokens`` (default 1 128 4096), ``--formats``
-(default bf16); ``--import-torch`` imports torch first (a torch program's case). The table (median us per call;
+(default bf16); ``--import-torch`` imports torch first (a torch program's case), ``--torch-tensors`` passes every
+array as a torch tensor (the calls run in torch mode). The table (median us per call;
 min beside it) is printed last. ``--base REF`` also times the commit REF's cuep, extracted and imported as
 ``cuep_base`` by benchmarks/ab_baseline.py, alternating with this tree's in every batch.
 """
@@ -60,7 +61,8 @@ class Spin:
 class Case:
     """One package's buffer and inputs for ``ranks`` ranks on GPU ``dev`` and each N."""
 
-    def __init__(self, pkg, ranks: int, fmt: str, tokens: list[int], dims: tuple[int, int, int], dev: int, seed: int):
+    def __init__(self, pkg, ranks: int, fmt: str, tokens: list[int], dims: tuple[int, int, int], dev: int, seed: int,
+                 torch_tensors: bool = False):
         import cupy
         import ml_dtypes
 
@@ -84,7 +86,13 @@ class Case:
                 ops = dict(x=xs[0], q_out=(cupy.empty((n, H), np.uint8), cupy.empty((n, 4 * (H // 128)), np.uint8)),
                            h=h, ro=cupy.asarray(np.array([0, n], np.uint32)),
                            s_out=(cupy.empty((n, I), np.uint8), cupy.empty((I // 128, n), np.float32)))
+                if torch_tensors:  # the same arrays as torch tensors (zero-copy views): calls run in torch mode
+                    t = pkg.interop.as_torch
+                    xs, ids, ws = [t(a) for a in xs], [t(a) for a in ids], [t(a) for a in ws]
+                    ops = {k: tuple(t(a) for a in v) if isinstance(v, tuple) else t(v) for k, v in ops.items()}
                 self.inputs[n] = (xs, ids, ws, ops)
+            if torch_tensors:
+                self.expert_out = [pkg.interop.as_torch(a) for a in self.expert_out]
 
     def close(self) -> None:
         self.buf.close()
@@ -126,7 +134,7 @@ def measure(pkgs: dict, args) -> tuple[dict, list[str]]:
     warnings: list[str] = []
     for ranks in args.ranks:
         for fmt in args.formats:
-            cases = {label: Case(pkg, ranks, fmt, args.tokens, dims, args.device, args.seed)
+            cases = {label: Case(pkg, ranks, fmt, args.tokens, dims, args.device, args.seed, args.torch_tensors)
                      for label, pkg in pkgs.items()}
             try:
                 for n in args.tokens:
@@ -198,8 +206,11 @@ def main(argv=None) -> int:
     p.add_argument("--import-torch", action="store_true",
                    help="import torch first, as a torch program has (the arguments stay CuPy arrays): every call "
                         "then looks at its arguments for tensors")
+    p.add_argument("--torch-tensors", action="store_true",
+                   help="pass every array as a torch tensor (zero-copy views of the same memory): a torch program's "
+                        "calls, in torch mode (cuep.interop)")
     args = p.parse_args(argv)
-    if args.import_torch:
+    if args.import_torch or args.torch_tensors:
         import torch  # noqa: F401
 
     os.environ.setdefault("CUEP_LOG", "0")
@@ -216,7 +227,8 @@ def main(argv=None) -> int:
         print("WARNING:", w)
     dev = cupy.cuda.runtime.getDeviceProperties(args.device)["name"].decode()
     print(f"\nhost us per call (median of {args.batches} x {args.rounds}; min in brackets), GPU busy, {dev}, "
-          f"{'H=256 K=2 E=8' if args.small else 'H=7168 K=8 E=256'}{', torch imported' if args.import_torch else ''}")
+          f"{'H=256 K=2 E=8' if args.small else 'H=7168 K=8 E=256'}"
+          f"{', torch tensors' if args.torch_tensors else ', torch imported' if args.import_torch else ''}")
     print(table(results, list(pkgs)))
     return 0
 
