@@ -140,15 +140,18 @@ def as_cupy(t, name: str = "tensor"):
     """
     import cupy
 
-    if t.device.type != "cuda":
+    if not t.is_cuda:
         raise TypeError(f"{name} is a torch tensor on the {t.device.type.upper()}; cuep runs on the GPU: move it "
                         f"with .cuda() (or .to('cuda:N'))")
     dtype = _dtype_maps()[0].get(t.dtype)
     if dtype is None:
         raise TypeError(f"{name} has torch dtype {t.dtype}, which cuep does not take (bfloat16, float32, integer or "
                         f"uint8 tensors)")
-    dev, shape, strides = t.device.index, tuple(t.shape), t.stride()
-    size = t.numel()
+    dev, shape, size = t.get_device(), tuple(t.shape), t.numel()
+    if t.is_contiguous():  # the usual case: CuPy's default (C) strides, which it builds faster than given ones
+        mem = cupy.cuda.UnownedMemory(t.data_ptr(), size * dtype.itemsize, t, dev)
+        return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0))
+    strides = t.stride()
     span = (1 + sum((n - 1) * s for n, s in zip(shape, strides))) * dtype.itemsize if size else 0
     mem = cupy.cuda.UnownedMemory(t.data_ptr(), span, t, dev)
     return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0),
@@ -273,7 +276,8 @@ _torch_blocks: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 def _cupy_stream(torch, dev: int):
     """torch's current stream of device ``dev`` as a CuPy stream object (cached per stream; CuPy never owns it)."""
-    ptr = torch.cuda.current_stream(dev).cuda_stream
+    raw = getattr(getattr(torch, "_C", None), "_cuda_getCurrentRawStream", None)  # the handle, no Stream object
+    ptr = raw(dev) if raw is not None else torch.cuda.current_stream(dev).cuda_stream
     s = _streams.get((dev, ptr))
     if s is None:
         import cupy
@@ -300,36 +304,34 @@ def _torch_malloc(nbytes: int):
 
 
 @contextlib.contextmanager
-def _current_stream(dev: int, stream):
-    """``stream`` as CuPy's current stream of device ``dev`` for the block; then the stream that was current (set
-    back directly: leaving CuPy's ``with stream`` restores the top of its stack, not a stream made current by
-    ``.use()``)."""
-    import cupy
-
-    with cupy.cuda.Device(dev):
-        before = cupy.cuda.get_current_stream()
-        stream.use()
-    try:
-        yield
-    finally:
-        with cupy.cuda.Device(dev):
-            before.use()
-
-
-@contextlib.contextmanager
 def _torch_mode(devices: list[int], home: int | None):
     """CuPy's current stream of each device = torch's current stream, allocations from torch, and (``home``) the
-    current device; all restored on exit, also on error."""
+    current device; all restored on exit, also on error. (The streams are set back directly: leaving CuPy's
+    ``with stream`` restores the top of its stack, not a stream made current by ``.use()``.)"""
     import cupy
 
     torch = sys.modules["torch"]
-    with contextlib.ExitStack() as stack:
+    runtime = cupy.cuda.runtime
+    current = runtime.getDevice()
+    saved = []  # (device, its current stream before the call)
+    try:
         for dev in devices:
-            stack.enter_context(_current_stream(dev, _cupy_stream(torch, dev)))
-        if home is not None:
-            stack.enter_context(cupy.cuda.Device(home))
-        stack.enter_context(cupy.cuda.using_allocator(_torch_malloc))
-        yield
+            stream = _cupy_stream(torch, dev)
+            if dev != current:
+                runtime.setDevice(dev)
+            saved.append((dev, cupy.cuda.get_current_stream()))
+            stream.use()
+            if dev != current:
+                runtime.setDevice(current)
+        if home is not None and home != current:
+            runtime.setDevice(home)
+        with cupy.cuda.using_allocator(_torch_malloc):
+            yield
+    finally:
+        for dev, before in reversed(saved):
+            runtime.setDevice(dev)
+            before.use()
+        runtime.setDevice(current)
 
 
 # ---- arguments ----------------------------------------------------------------------------------------------------
@@ -337,8 +339,9 @@ def _to_cupy_arg(v, name: str, tensor, originals: dict, devices: list):
     if isinstance(v, tensor):
         a = as_cupy(v, name)
         originals[id(a)] = v
-        if v.device.index not in devices:
-            devices.append(v.device.index)
+        dev = a.data.device_id
+        if dev not in devices:
+            devices.append(dev)
         return a
     if isinstance(v, (list, tuple)):
         return type(v)(_to_cupy_arg(e, f"{name}[{i}]", tensor, originals, devices) for i, e in enumerate(v))
@@ -374,14 +377,15 @@ def _torch_message(msg: str) -> str:
     return _DEVICE_COPY.sub(r"`t.to('cuda:\1')` (torch) or `with cupy.cuda.Device(\1): a = a.copy()`", msg)
 
 
-def _call_torch(fn, sig, args, kwargs):
+def _call_torch(fn, names: tuple, args, kwargs):
+    """``fn`` in torch mode; ``names``: its positional parameters' names (for messages)."""
     tensor = _tensor_type()
-    bound = sig.bind(*args, **kwargs)
     originals: dict[int, object] = {}
     devices: list[int] = []
-    for name, v in bound.arguments.items():
-        bound.arguments[name] = _to_cupy_arg(v, name, tensor, originals, devices)
-    buf = _buffer_of(bound.arguments.values())
+    args = [_to_cupy_arg(v, names[i] if i < len(names) else f"args[{i}]", tensor, originals, devices)
+            for i, v in enumerate(args)]
+    kwargs = {k: _to_cupy_arg(v, k, tensor, originals, devices) for k, v in kwargs.items()}
+    buf = _buffer_of(args + list(kwargs.values()))
     home = None
     if buf is not None:
         devices = list(dict.fromkeys(list(buf.group.devices) + devices))
@@ -389,7 +393,7 @@ def _call_torch(fn, sig, args, kwargs):
         home = devices[0]
     try:
         with _torch_mode(devices, home):
-            out = fn(*bound.args, **bound.kwargs)
+            out = fn(*args, **kwargs)
             return _to_torch_result(out, buf, originals)
     except (TypeError, ValueError) as e:
         msg = _torch_message(str(e))
@@ -401,12 +405,13 @@ def _call_torch(fn, sig, args, kwargs):
 def torch_aware(fn):
     """Let ``fn`` take torch CUDA tensors (and return torch tensors, running on torch's current stream); a call
     without torch arguments goes straight to ``fn``. See the module docstring."""
-    sig = inspect.signature(fn)
+    names = tuple(p.name for p in inspect.signature(fn).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
         if not _wants_torch(args, kwargs):
             return fn(*args, **kwargs)
-        return _call_torch(fn, sig, args, kwargs)
+        return _call_torch(fn, names, args, kwargs)
 
     return call

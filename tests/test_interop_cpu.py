@@ -1,7 +1,8 @@
 """cuep.interop without torch or a GPU: calls without tensors go straight through (and never import torch), and the
 torch side (detection, zero-copy views, dtypes, errors, results) is exercised with a stand-in ``torch`` module.
 
-The stand-in holds what interop reads of a tensor (device, dtype, shape, stride, numel, data_ptr); CuPy builds array
+The stand-in holds what interop reads of a tensor (device, dtype, shape, stride, numel, data_ptr, is_cuda,
+get_device, is_contiguous); CuPy builds array
 objects over device addresses without touching the GPU, so the views can be checked here. What needs the device
 (streams, torch's allocator, real tensors) is in tests/test_torch_gpu.py.
 """
@@ -66,6 +67,20 @@ def _fake_torch() -> types.ModuleType:
 
         def data_ptr(self) -> int:
             return self.ptr
+
+        @property
+        def is_cuda(self) -> bool:
+            return self.device.type == "cuda"
+
+        def get_device(self) -> int:
+            return self.device.index if self.is_cuda else -1
+
+        def is_contiguous(self) -> bool:
+            c, want = 1, []
+            for n in reversed(self.shape):
+                want.insert(0, c)
+                c *= n
+            return all(n == 1 or s == w for n, s, w in zip(self.shape, self._strides, want))
 
     torch.Tensor = Tensor
     return torch
