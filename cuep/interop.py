@@ -149,13 +149,13 @@ def as_cupy(t, name: str = "tensor"):
                         f"uint8 tensors)")
     dev, shape, size = t.get_device(), tuple(t.shape), t.numel()
     if t.is_contiguous():  # the usual case: CuPy's default (C) strides, which it builds faster than given ones
-        mem = cupy.cuda.UnownedMemory(t.data_ptr(), size * dtype.itemsize, t, dev)
-        return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0))
-    strides = t.stride()
-    span = (1 + sum((n - 1) * s for n, s in zip(shape, strides))) * dtype.itemsize if size else 0
+        span, strides = size * dtype.itemsize, None
+    else:
+        elems = t.stride()
+        span = (1 + sum((n - 1) * s for n, s in zip(shape, elems))) * dtype.itemsize if size else 0
+        strides = tuple(s * dtype.itemsize for s in elems)
     mem = cupy.cuda.UnownedMemory(t.data_ptr(), span, t, dev)
-    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0),
-                        strides=tuple(s * dtype.itemsize for s in strides))
+    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0), strides=strides)
 
 
 # ---- CuPy -> torch ------------------------------------------------------------------------------------------------
