@@ -210,32 +210,45 @@ class PreparedLaunch:
         self.pack.pack_into(self.raw, self.pack_offset, *values)
         _launch_raw(self.func, grid, self.block, self.smem, self.argv_ptr)
 
+    def launch_on(self, stream: int, grid: int, *values) -> None:
+        """:meth:`__call__` on the stream handle ``stream`` instead of CuPy's current stream (a torch call's)."""
+        self.pack.pack_into(self.raw, self.pack_offset, *values)
+        _launch_raw(self.func, grid, self.block, self.smem, self.argv_ptr, stream)
+
     def launch_call(self, grid: int, *values) -> None:
         """Launch with only the call's span repacked (:meth:`set_call`; one full :meth:`__call__` or :meth:`write`
         first puts the fixed values after it): one ``pack_into`` of ``values``."""
         self.call.pack_into(self.raw, self.call_offset, *values)
         _launch_raw(self.func, grid, self.block, self.smem, self.argv_ptr)
 
+    def launch_call_on(self, stream: int, grid: int, *values) -> None:
+        """:meth:`launch_call` on the stream handle ``stream`` instead of CuPy's current stream (a torch call's)."""
+        self.call.pack_into(self.raw, self.call_offset, *values)
+        _launch_raw(self.func, grid, self.block, self.smem, self.argv_ptr, stream)
+
 
 _cuda = None  # (driver.launchKernel, cupy.cuda.get_current_stream, CUDADriverError), bound on first launch
 
 
-def _launch_raw(func: int, grid: int, block: int, smem: int, argv_ptr: int) -> None:
+def _launch_raw(func: int, grid: int, block: int, smem: int, argv_ptr: int, stream: int | None = None) -> None:
+    """``cuLaunchKernel`` on ``stream`` (a handle; None: CuPy's current stream)."""
     global _cuda
     if _cuda is None:
         import cupy
         from cupy_backends.cuda.api import driver
 
         _cuda = (driver.launchKernel, cupy.cuda.get_current_stream, driver.CUDADriverError)
-    launch, stream, error = _cuda
+    launch, current, error = _cuda
+    if stream is None:
+        stream = current().ptr
     try:
-        launch(func, grid, 1, 1, block, 1, 1, smem, stream().ptr, argv_ptr, 0)
+        launch(func, grid, 1, 1, block, 1, 1, smem, stream, argv_ptr, 0)
     except error:
         # CuPy's own launch makes the device's primary context current first; a thread that has not touched the
         # runtime yet has none, and the driver refuses the launch: make it current, launch again (once)
         if not _ensure_context():
             raise
-        launch(func, grid, 1, 1, block, 1, 1, smem, stream().ptr, argv_ptr, 0)
+        launch(func, grid, 1, 1, block, 1, 1, smem, stream, argv_ptr, 0)
 
 
 def _ensure_context() -> bool:

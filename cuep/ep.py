@@ -25,7 +25,7 @@ import numpy as np
 
 from . import _kernels
 from .buffer import Buffer
-from .interop import torch_aware
+from .interop import tensor_ok, torch_aware, torch_bindings
 from .params import (CALL_FIELDS, COMBINE_PARAMS_DTYPE, DISPATCH_PARAMS_DTYPE, c_contiguous, call_struct,
                      kernel_argument, launch_record, pointer)
 from .formats import GLOBAL_SCALE_MAX, GLOBAL_SCALE_MIN
@@ -321,7 +321,7 @@ class _Host:
     __slots__ = ("names", "orders", "launches", "hidden", "top_k", "max_tokens", "capacity", "fmt", "cdt",
                  "combine_suffix", "where", "views", "one_rank", "small",
                  "offsets_smem", "results", "plans", "combine_names", "devices", "x_dtypes", "cdts", "ipc",
-                 "recv_name", "single", "status")
+                 "recv_name", "single", "status", "torch_results", "torch_views")
 
     def __init__(self, buf: Buffer):
         cfg = buf.cfg
@@ -354,6 +354,8 @@ class _Host:
         self.results = [(r.tokens, r.scales, r.row_offsets, r.expert_ids, r.src_info, r.scales_offsets, r.rank)
                         for r in buf._ranks]
         self.plans: dict = {}
+        self.torch_results = None  # (the torch short path) torch views of results[0], and of combine's views
+        self.torch_views: dict = {}
         self.combine_names = {local: f"combine.cu:cuep_combine_{'local_' if local else ''}{self.combine_suffix}"
                               for local in (False, True)}
 
@@ -537,17 +539,25 @@ def _with_one_call(phases: int) -> int:
     return phases | PHASE_LOCAL_X if phases & PHASE_SEND and phases & PHASE_RECV else phases
 
 
+def _single_host(buf):
+    """The buffer's :class:`_Host` when a call may take the short path (one local rank of a one-node group, an
+    open buffer with no failure, launches prepared by an earlier call), else None."""
+    if type(buf) is not Buffer or buf._closed:
+        return None
+    host = buf._launch_cache.get("host")
+    if host is None or not host.single or host.status[0] or buf._host_error is not None:
+        return None
+    return host
+
+
 def _dispatch_single(buf, x, topk_ids, topk_weights, global_scale, phases: int):
     """A dispatch call's common case in few steps, the same launch as :func:`_dispatch`: one local rank (bare
     arrays, the rank's device current), an open buffer with no failure and nothing pending, arguments right and a
     launch already prepared. Returns the :class:`Dispatched`, or None (nothing done) for :func:`_dispatch`, which
     handles every other case and raises with a message."""
-    if type(buf) is not Buffer or buf._closed:
-        return None
-    host = buf._launch_cache.get("host")
-    rounds = buf._rounds
-    if host is None or not host.single or host.status[0] or buf._host_error is not None \
-            or rounds["pending"] is not None or type(x) is not _ND \
+    host = _single_host(buf)
+    rounds = buf._rounds if host is not None else None
+    if host is None or rounds["pending"] is not None or type(x) is not _ND \
             or x.ndim != 2 or type(global_scale) is not float \
             or not GLOBAL_SCALE_MIN <= global_scale <= GLOBAL_SCALE_MAX:
         return None
@@ -629,7 +639,157 @@ def _dispatch(buf: Buffer, x, topk_ids, topk_weights, global_scale: float, phase
     return results
 
 
-@torch_aware
+# ---- the torch short path -----------------------------------------------------------------------------------------
+# A torch call of the common case (one local rank, torch CUDA tensors, the conditions of _dispatch_single /
+# _combine_single) reads the tensors' fields and launches on torch's current stream without torch mode's CuPy views
+# and stream switch (cuep.interop); results are the buffer's torch views, made once. Anything else: torch mode.
+def _ptr(a) -> int:
+    """The device address of a CuPy array or a torch tensor (a Dispatched's topk_ids: either)."""
+    return a.data.ptr if type(a) is _ND else a.data_ptr()
+
+
+def _torch_results(buf, host) -> tuple:
+    """A torch Dispatched's first fields: the torch views of the rank's persistent outputs, and its rank."""
+    res = host.torch_results
+    if res is None:
+        from .interop import _DISPATCHED_FIELDS, _persistent_view
+
+        r = buf._ranks[0]
+        res = host.torch_results = tuple(_persistent_view(r, f) for f in _DISPATCHED_FIELDS) + (r.rank,)
+    return res
+
+
+def _dispatch_single_torch(buf, x, topk_ids, topk_weights, global_scale, phases: int):
+    """:func:`_dispatch_single` for torch tensors: the same launch, on torch's current stream; a Dispatched of
+    torch views. None: nothing done (torch mode takes the call)."""
+    host = _single_host(buf)
+    if host is None or buf._rounds["pending"] is not None or _runtime is None or type(global_scale) is not float \
+            or not GLOBAL_SCALE_MIN <= global_scale <= GLOBAL_SCALE_MAX:
+        return None
+    tb = torch_bindings()
+    if type(x) is not tb.tensor or x.dim() != 2:
+        return None
+    n, dev, w = x.size(0), host.devices[0], topk_weights
+    if not (n <= host.max_tokens and tensor_ok(x, tb, n, host.hidden, tb.x_dtypes, dev, 15)
+            and tensor_ok(topk_ids, tb, n, host.top_k, tb.i32s, dev, 3)
+            and (w is None or tensor_ok(w, tb, n, host.top_k, tb.f32s, dev, 3))):
+        return None
+    route = _route(host, phases, n)
+    launch = host.plans.get((0, phases, "bf16" if x.dtype is tb.bf16 else "f32", route))
+    if launch is None or (not route and host.ipc and "dispatch.cu" not in buf._launched) \
+            or _runtime.getDevice() != dev:
+        return None
+    rounds = buf._rounds
+    seq = rounds["dispatches"] + 1
+    d = Dispatched(*_torch_results(buf, host), n, topk_ids, w is not None, buf, seq, True)
+    launch.launch_call_on(tb.stream(dev), buf.num_sms, x.data_ptr(), topk_ids.data_ptr(),
+                          0 if w is None else w.data_ptr(), n, global_scale, _with_one_call(phases))
+    rounds["local"] = route != 0
+    rounds["dispatches"] = seq
+    if not phases & PHASE_RECV:
+        rounds["pending"] = ("dispatch", seq)
+    return d
+
+
+def _dispatch_torch(buf, x, topk_ids, topk_weights=None, *, global_scale=1.0, validate=False):
+    if validate:
+        return NotImplemented
+    d = _dispatch_single_torch(buf, x, topk_ids, topk_weights, global_scale, _PHASES_ALL)
+    return NotImplemented if d is None else d
+
+
+def _dispatch_async_torch(buf, x, topk_ids, topk_weights=None, *, global_scale=1.0, validate=False):
+    if validate:
+        return NotImplemented
+    d = _dispatch_single_torch(buf, x, topk_ids, topk_weights, global_scale, PHASE_NOTIFY | PHASE_SEND)
+    return NotImplemented if d is None else d
+
+
+def _dispatch_wait_torch(pending):
+    """dispatch_wait's short path for a torch Dispatched of one local rank: its receive launch on torch's stream."""
+    if type(pending) is not Dispatched or not pending._torch:
+        return NotImplemented
+    buf = pending._buffer
+    host = _single_host(buf)
+    if host is None or host.ipc or _pending_in_order([pending]) is None:
+        return NotImplemented
+    dev = host.devices[0]
+    threads, smem = _dispatch_launch(buf, False)
+    launch = host.launches.get((0, host.recv_name, smem))
+    if launch is None or _runtime.getDevice() != dev:
+        return NotImplemented
+    launch.launch_call_on(torch_bindings().stream(dev), buf.num_sms, 0, 0, 0, pending.num_tokens, 1.0, PHASE_RECV)
+    buf._rounds["pending"] = None
+    return pending
+
+
+def _combine_single_torch(buf, expert_out, dispatched, topk_weights, residual, phases: int):
+    """:func:`_combine_single` for torch tensors: the same launch, on torch's current stream; the output as the
+    buffer's torch view. None: nothing done (torch mode takes the call)."""
+    host = _single_host(buf)
+    if host is None or _runtime is None:
+        return None
+    rounds, d, eo, w, rs = buf._rounds, dispatched, expert_out, topk_weights, residual
+    tb = torch_bindings()
+    if type(d) is not Dispatched or d._buffer is not buf or d._seq != rounds["dispatches"] \
+            or type(eo) is not tb.tensor or eo.dim() != 2:
+        return None
+    rows, N, dev = eo.size(0), d.num_tokens, host.devices[0]
+    cdts = tb.x_dtypes[:1] if host.combine_suffix == "bf16" else tb.f32s
+    if not (rows >= host.capacity and tensor_ok(eo, tb, rows, host.hidden, cdts, dev, 15)
+            and (w is None or tensor_ok(w, tb, N, host.top_k, tb.f32s, dev, 3))
+            and (rs is None or (w is not None or d._has_weights) and tensor_ok(rs, tb, N, host.hidden, cdts, dev,
+                                                                             15))):
+        return None
+    mode = MODE_WEIGHTED if w is not None else MODE_PARTIAL if d._has_weights else MODE_UNREDUCED
+    p, eo_ptr = rounds["pending"], eo.data_ptr()
+    if phases == PHASE_RECV:
+        if p is None or p[0] != "combine" or p[2] != [mode] or p[3] != [eo_ptr]:
+            return None
+    elif p is not None:
+        return None
+    view = host.views.get((0, mode, N))
+    hit = host.torch_views.get((mode, N))
+    if view is None or hit is None or hit[0] is not view:
+        from .interop import _buffer_view
+
+        out = _buffer_view(buf, view) if view is not None else None
+        if out is None:
+            return None
+        hit = host.torch_views[(mode, N)] = (view, out)
+    local = rounds["local"]
+    ph = 0 if local and not phases & PHASE_RECV else phases
+    if ph:
+        name = host.combine_names[local]
+        smem = host.offsets_smem if local else COMBINE_RING_BYTES if (
+            ph & PHASE_SEND and mode == MODE_PARTIAL and host.combine_suffix == "bf16") else 0
+        launch = host.launches.get((0, name, smem))
+        if launch is None or (host.ipc and "combine.cu" not in buf._launched) or _runtime.getDevice() != dev:
+            return None
+        launch.launch_call_on(tb.stream(dev), buf.num_sms, eo_ptr, _ptr(d._topk_ids),
+                              0 if w is None else w.data_ptr(), 0 if rs is None else rs.data_ptr(), view.data.ptr,
+                              N, mode, _with_one_call(ph))
+    rounds["pending"] = ("combine", rounds["dispatches"], [mode], [eo_ptr]) \
+        if phases == PHASE_NOTIFY | PHASE_SEND else None
+    return hit[1]
+
+
+def _combine_torch(buf, expert_out, dispatched, topk_weights=None, *, residual=None):
+    out = _combine_single_torch(buf, expert_out, dispatched, topk_weights, residual, _PHASES_ALL)
+    return NotImplemented if out is None else out
+
+
+def _combine_async_torch(buf, expert_out, dispatched, topk_weights=None, *, residual=None):
+    out = _combine_single_torch(buf, expert_out, dispatched, topk_weights, residual, PHASE_NOTIFY | PHASE_SEND)
+    return NotImplemented if out is None else None
+
+
+def _combine_wait_torch(buf, expert_out, dispatched, topk_weights=None, *, residual=None):
+    out = _combine_single_torch(buf, expert_out, dispatched, topk_weights, residual, PHASE_RECV)
+    return NotImplemented if out is None else out
+
+
+@torch_aware(fast=_dispatch_torch)
 def dispatch(buf: Buffer, x, topk_ids, topk_weights=None, *, global_scale: float = 1.0, validate: bool = False):
     """Send every token to the ranks of its top-k experts and lay them out expert-major (one launch per rank).
 
@@ -659,7 +819,7 @@ def dispatch(buf: Buffer, x, topk_ids, topk_weights=None, *, global_scale: float
     return res if isinstance(x, (list, tuple)) else res[0]
 
 
-@torch_aware
+@torch_aware(fast=_dispatch_async_torch)
 def dispatch_async(buf: Buffer, x, topk_ids, topk_weights=None, *, global_scale: float = 1.0,
                    validate: bool = False):
     """The send half of :func:`dispatch`: returns at once; pass the result to :func:`dispatch_wait`.
@@ -676,7 +836,7 @@ def dispatch_async(buf: Buffer, x, topk_ids, topk_weights=None, *, global_scale:
     return res if isinstance(x, (list, tuple)) else res[0]
 
 
-@torch_aware
+@torch_aware(fast=_dispatch_wait_torch)
 def dispatch_wait(pending):
     """The receive half: waits (on the device, bounded) for every source and builds the outputs.
 
@@ -849,12 +1009,11 @@ def _combine_single(buf, expert_out, dispatched, topk_weights, residual, phases:
     :func:`_dispatch_single`): one local rank, the latest dispatch's result, right arguments, the round half in
     order, the output view and the launch already made. Returns the output, or None (nothing done) for
     :func:`_combine`."""
-    if type(buf) is not Buffer or buf._closed:
+    host = _single_host(buf)
+    if host is None:
         return None
-    host = buf._launch_cache.get("host")
     rounds, d, eo, w, rs = buf._rounds, dispatched, expert_out, topk_weights, residual
-    if host is None or not host.single or host.status[0] or buf._host_error is not None \
-            or type(d) is not Dispatched or d._buffer is not buf \
+    if type(d) is not Dispatched or d._buffer is not buf \
             or d._seq != rounds["dispatches"] or type(eo) is not _ND or eo.ndim != 2:
         return None
     rows, N, dev, cdts = len(eo), d.num_tokens, host.devices[0], host.cdts
@@ -881,7 +1040,7 @@ def _combine_single(buf, expert_out, dispatched, topk_weights, residual, phases:
         launch = host.launches.get((0, name, smem))
         if launch is None or (host.ipc and "combine.cu" not in buf._launched) or _runtime.getDevice() != dev:
             return None
-        launch.launch_call(buf.num_sms, eo.data.ptr, d._topk_ids.data.ptr, 0 if w is None else w.data.ptr,
+        launch.launch_call(buf.num_sms, eo.data.ptr, _ptr(d._topk_ids), 0 if w is None else w.data.ptr,
                            0 if rs is None else rs.data.ptr, out.data.ptr, N, mode, _with_one_call(ph))
     rounds["pending"] = ("combine", rounds["dispatches"], [mode], [eo.data.ptr]) \
         if phases == PHASE_NOTIFY | PHASE_SEND else None
@@ -965,7 +1124,7 @@ def _combine(buf: Buffer, expert_out, dispatched, topk_weights, residual, phases
             if host.ipc:
                 _before_launch(buf, "combine.cu")
             w, rs = ws[i], res[i]
-            launch.launch_call(buf.num_sms, eos[i].data.ptr, d._topk_ids.data.ptr, 0 if w is None else w.data.ptr,
+            launch.launch_call(buf.num_sms, eos[i].data.ptr, _ptr(d._topk_ids), 0 if w is None else w.data.ptr,
                                0 if rs is None else rs.data.ptr, outs[i].data.ptr, d.num_tokens, mode,
                                ph | one_call)
     finally:
@@ -977,7 +1136,7 @@ def _combine(buf: Buffer, expert_out, dispatched, topk_weights, residual, phases
     return outs
 
 
-@torch_aware
+@torch_aware(fast=_combine_torch)
 def combine(buf: Buffer, expert_out, dispatched, topk_weights=None, *, residual=None):
     """Send expert outputs back to their tokens' ranks and sum them (one launch per rank).
 
@@ -1001,7 +1160,7 @@ def combine(buf: Buffer, expert_out, dispatched, topk_weights=None, *, residual=
     return outs if isinstance(dispatched, (list, tuple)) else outs[0]
 
 
-@torch_aware
+@torch_aware(fast=_combine_async_torch)
 def combine_async(buf: Buffer, expert_out, dispatched, topk_weights=None, *, residual=None):
     """The send half of :func:`combine`; :func:`combine_wait` with the same arguments finishes it.
 
@@ -1012,7 +1171,7 @@ def combine_async(buf: Buffer, expert_out, dispatched, topk_weights=None, *, res
         _combine(buf, expert_out, dispatched, topk_weights, residual, PHASE_NOTIFY | PHASE_SEND)
 
 
-@torch_aware
+@torch_aware(fast=_combine_wait_torch)
 def combine_wait(buf: Buffer, expert_out, dispatched, topk_weights=None, *, residual=None):
     """The receive half of :func:`combine`: waits for every rank and returns the summed outputs.
 

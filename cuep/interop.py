@@ -268,16 +268,70 @@ def _to_torch_result(v, buf, originals: dict):
     return v
 
 
+# ---- the short paths' view of torch (cuep.ep, cuep.ops) -----------------------------------------------------------
+class TorchBindings:
+    """What the torch short paths take from the torch module, looked up once per module (:func:`torch_bindings`):
+    the tensor type, the dtypes cuep takes, and a device's current stream handle (``stream(dev)``)."""
+
+    __slots__ = ("module", "tensor", "strided", "bf16", "f32", "x_dtypes", "i32s", "f32s", "u8s", "stream",
+                 "devices", "of_numpy")
+
+    def __init__(self, torch):
+        self.module, self.tensor, self.strided = torch, torch.Tensor, torch.strided
+        self.bf16, self.f32 = torch.bfloat16, torch.float32
+        self.x_dtypes, self.i32s, self.f32s, self.u8s = (torch.bfloat16, torch.float32), (torch.int32,), \
+            (torch.float32,), (torch.uint8,)
+        self.stream = raw_stream_getter(torch)
+        self.devices: dict = {}  # id -> torch.device("cuda", id)
+        # the torch dtype of a CuPy output dtype (unsigned as the signed dtype of its size, as results come back)
+        self.of_numpy = {_BF16: torch.bfloat16, np.dtype(np.float32): torch.float32,
+                         np.dtype(np.uint8): torch.uint8, np.dtype(np.uint32): torch.int32,
+                         np.dtype(np.int32): torch.int32}
+
+    def device(self, dev: int):
+        d = self.devices.get(dev)
+        if d is None:
+            d = self.devices[dev] = self.module.device("cuda", dev)
+        return d
+
+
+_bindings: list = [None]
+
+
+def torch_bindings() -> TorchBindings:
+    """The :class:`TorchBindings` of the torch module imported now (a torch call: torch is in ``sys.modules``)."""
+    torch = sys.modules["torch"]
+    tb = _bindings[0]
+    if tb is None or tb.module is not torch:
+        tb = _bindings[0] = TorchBindings(torch)
+    return tb
+
+
+def tensor_ok(t, tb: TorchBindings, rows: int, cols: int, dtypes, device: int, mask: int) -> bool:
+    """Whether ``t`` is a contiguous [rows, cols] CUDA tensor (rows > 0) of one of ``dtypes`` on ``device`` whose
+    address has no bit of ``mask`` set: a short path's argument test in a few reads (cuep.ep._rows_ok's for torch;
+    cols None: a 1-D [rows] tensor)."""
+    return (type(t) is tb.tensor and rows > 0 and t.dtype in dtypes and t.layout is tb.strided
+            and t.dim() == (1 if cols is None else 2) and t.size(0) == rows and (cols is None or t.size(1) == cols)
+            and t.is_contiguous() and t.is_cuda and t.get_device() == device and not t.data_ptr() & mask)
+
+
 # ---- streams and allocations of a torch call ----------------------------------------------------------------------
 _streams: dict[tuple[int, int], object] = {}
 # device address -> the torch uint8 tensor _torch_malloc made there (gone with the tensor: torch reuses addresses)
 _torch_blocks: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
+def raw_stream_getter(torch):
+    """A function of a device id giving torch's current stream's handle there: torch's own raw getter where it has
+    one (no Stream object made per call), else through ``torch.cuda.current_stream``."""
+    raw = getattr(getattr(torch, "_C", None), "_cuda_getCurrentRawStream", None)
+    return raw if raw is not None else (lambda dev: torch.cuda.current_stream(dev).cuda_stream)
+
+
 def _cupy_stream(torch, dev: int):
     """torch's current stream of device ``dev`` as a CuPy stream object (cached per stream; CuPy never owns it)."""
-    raw = getattr(getattr(torch, "_C", None), "_cuda_getCurrentRawStream", None)  # the handle, no Stream object
-    ptr = raw(dev) if raw is not None else torch.cuda.current_stream(dev).cuda_stream
+    ptr = raw_stream_getter(torch)(dev)
     s = _streams.get((dev, ptr))
     if s is None:
         import cupy
@@ -402,9 +456,16 @@ def _call_torch(fn, names: tuple, args, kwargs):
         raise
 
 
-def torch_aware(fn):
+def torch_aware(fn=None, *, fast=None):
     """Let ``fn`` take torch CUDA tensors (and return torch tensors, running on torch's current stream); a call
-    without torch arguments goes straight to ``fn``. See the module docstring."""
+    without torch arguments goes straight to ``fn``. See the module docstring.
+
+    ``fast``: a torch call's short path, tried first with the call's own arguments: its result, or
+    ``NotImplemented`` to leave the call to torch mode (which then raises any error with its message). Used as
+    ``@torch_aware`` or ``@torch_aware(fast=...)``.
+    """
+    if fn is None:
+        return functools.partial(torch_aware, fast=fast)
     names = tuple(p.name for p in inspect.signature(fn).parameters.values()
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
 
@@ -412,6 +473,10 @@ def torch_aware(fn):
     def call(*args, **kwargs):
         if not _wants_torch(args, kwargs):
             return fn(*args, **kwargs)
+        if fast is not None:
+            out = fast(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
         return _call_torch(fn, names, args, kwargs)
 
     return call

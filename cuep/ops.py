@@ -17,9 +17,9 @@ import numpy as np
 
 from . import _kernels
 from .params import c_contiguous
-from .interop import torch_aware
-from .formats import (GLOBAL_SCALE_MAX, GLOBAL_SCALE_MIN, SCALE_TILE_BYTES, SCALE_TILE_ROWS, Format, ceil_div,
-                      check_hidden, get_format)
+from .interop import tensor_ok, torch_aware, torch_bindings
+from .formats import (FORMATS, GLOBAL_SCALE_MAX, GLOBAL_SCALE_MIN, SCALE_TILE_BYTES, SCALE_TILE_ROWS, Format,
+                      ceil_div, check_hidden, get_format)
 
 __all__ = ["quantize", "dequantize", "swizzle_block_scales", "fused_silu"]
 
@@ -244,7 +244,76 @@ def _swizzle_tiles(capacity: int, n_groups: int) -> int:
 
 
 # ---- quantize / dequantize --------------------------------------------------------------------------------------
-@torch_aware
+# ---- the torch short paths of quantize and fused_silu -------------------------------------------------------------
+# A torch call with bare CUDA tensors whose plan an earlier call made (so its shapes were checked then): the argument
+# tests in a few reads, outputs from torch (or ``out``), the same launch on torch's current stream, no CuPy views
+# (cuep.interop). Anything else returns NotImplemented: torch mode takes the call and raises with its messages.
+def _x_dtype(t, tb):
+    """The NumPy dtype of a float input tensor (bf16 / float32), else None."""
+    return _BF16 if t.dtype is tb.bf16 else _F32 if t.dtype is tb.f32 else None
+
+
+def _quantize_torch(x, fmt, global_scale=1.0, out=None):
+    tb = torch_bindings()
+    f = FORMATS.get(fmt) if type(fmt) is str else None
+    if f is None or type(x) is not tb.tensor or x.dim() != 2 or type(global_scale) is not float \
+            or not GLOBAL_SCALE_MIN <= global_scale <= GLOBAL_SCALE_MAX or _cupy is None:
+        return NotImplemented
+    n, h, dt = x.size(0), x.size(1), _x_dtype(x, tb)
+    dev = _cupy.cuda.runtime.getDevice()
+    plan = _quantize_plans.get((f.name, h, dt.num, dev)) if dt is not None else None
+    if plan is None or plan[3] is None or not tensor_ok(x, tb, n, h, tb.x_dtypes, dev, 15):
+        return NotImplemented
+    pbytes, sbytes, steps, (fn, max_grid) = plan
+    if out is None:
+        d = tb.device(dev)
+        payload = tb.module.empty((n, pbytes), dtype=tb.module.uint8, device=d)
+        scales = tb.module.empty((n, sbytes), dtype=tb.module.uint8, device=d)
+    elif type(out) is tuple and len(out) == 2 and tensor_ok(out[0], tb, n, pbytes, tb.u8s, dev, 15) \
+            and tensor_ok(out[1], tb, n, sbytes, tb.u8s, dev, 15):
+        payload, scales = out
+    else:
+        return NotImplemented
+    fn.launch_on(tb.stream(dev), min(ceil_div(n * steps, _THREADS // _WARP), max_grid), x.data_ptr(),
+                 payload.data_ptr(), scales.data_ptr(), n, h, global_scale)
+    return payload, scales
+
+
+def _fused_silu_torch(h, row_offsets, out_fmt="bf16", interleaved=False, global_scale=1.0, out=None):
+    tb = torch_bindings()
+    f = FORMATS.get(out_fmt) if type(out_fmt) is str else None
+    ro = row_offsets
+    if f is None or type(h) is not tb.tensor or h.dim() != 2 or type(ro) is not tb.tensor or ro.dim() != 1 \
+            or type(global_scale) is not float or not GLOBAL_SCALE_MIN <= global_scale <= GLOBAL_SCALE_MAX \
+            or _cupy is None:
+        return NotImplemented
+    cap, width, dt, n_groups = h.size(0), h.size(1), _x_dtype(h, tb), ro.size(0) - 1
+    dev = _cupy.cuda.runtime.getDevice()
+    plan = _silu_plans.get((f.name, dt.num, cap, width, bool(interleaved), n_groups, dev)) if dt is not None \
+        else None
+    if plan is None or not (tensor_ok(h, tb, cap, width, tb.x_dtypes, dev, 15)
+                            and tensor_ok(ro, tb, n_groups + 1, None, tb.i32s, dev, 15)):
+        return NotImplemented
+    shapes, names, fn, grid, max_tiles = plan
+    kinds = [tb.of_numpy[d] for _, d in shapes]
+    if out is None:
+        outs = [tb.module.empty(s, dtype=k, device=tb.device(dev)) for (s, _), k in zip(shapes, kinds)]
+    else:
+        outs = [out] if f.name == "bf16" else list(out) if type(out) is tuple else None
+        if outs is None or len(outs) != len(shapes):
+            return NotImplemented
+        for t, (s, d), k in zip(outs, shapes, kinds):  # (a uint32 output: torch mode's dtype rules)
+            if d == _U32 or not tensor_ok(t, tb, s[0], s[1] if len(s) == 2 else None, (k,), dev, 15):
+                return NotImplemented
+    dummy = outs[0]
+    scales = outs[1] if len(outs) > 1 else dummy
+    scales_offsets = outs[2] if len(outs) > 2 else dummy
+    fn.launch_on(tb.stream(dev), grid, h.data_ptr(), ro.data_ptr(), n_groups, cap, width // 2, outs[0].data_ptr(),
+                 scales.data_ptr(), scales_offsets.data_ptr(), max_tiles, global_scale)
+    return outs[0] if f.name == "bf16" else tuple(outs)
+
+
+@torch_aware(fast=_quantize_torch)
 def quantize(x: cupy.ndarray, fmt: str, global_scale: float = 1.0, out=None) -> tuple[cupy.ndarray, cupy.ndarray]:
     """Encode token rows in a wire format on the GPU, bit for bit as :func:`cuep.reference.quantize`.
 
@@ -382,7 +451,7 @@ def swizzle_block_scales(scales: cupy.ndarray, row_offsets: cupy.ndarray, fmt: s
 
 
 # ---- fused SwiGLU ---------------------------------------------------------------------------------------------
-@torch_aware
+@torch_aware(fast=_fused_silu_torch)
 def fused_silu(h: cupy.ndarray, row_offsets: cupy.ndarray, out_fmt: str = "bf16", interleaved: bool = False,
                global_scale: float = 1.0, out=None):
     """``silu(gate) * up`` of the rows below ``row_offsets[-1]``, as bf16 or quantized for the down GEMM.

@@ -1,5 +1,8 @@
 """The short host path of an eager call (ep._dispatch_single, ep._combine_single) against the general one, without
-a GPU: CuPy arrays are stand-ins with the fields the checks read, launches are recorded instead of run.
+a GPU: CuPy arrays are stand-ins with the fields the checks read, launches are recorded instead of run. The torch
+short paths (ep._dispatch_single_torch, ep._combine_single_torch, dispatch_wait's, ops._quantize_torch,
+ops._fused_silu_torch) against the CuPy ones, with a stand-in torch module whose tensors have the stand-in arrays'
+addresses.
 
 For every case the short path must launch the same kernel with the same parameter bytes and leave the buffer's
 round state as the general path does; wherever it cannot (a wrong argument, a failed or closed buffer, a half
@@ -60,7 +63,19 @@ def launches(monkeypatch):
         log.append((names[self.func], grid, self.block, self.smem, bytes(self.raw)))
 
     monkeypatch.setattr(_kernels.PreparedLaunch, "launch_call", record)
+    launch_call_on = _kernels.PreparedLaunch.launch_call_on
+    STREAMS.clear()
+
+    def record_on(self, stream, grid, *values):  # (a torch call's launch: its stream apart)
+        launch_call_on(self, stream, grid, *values)
+        log.append((names[self.func], grid, self.block, self.smem, bytes(self.raw)))
+        STREAMS.append(stream)
+
+    monkeypatch.setattr(_kernels.PreparedLaunch, "launch_call_on", record_on)
     return log
+
+
+STREAMS: list = []  # the stream handle of each recorded torch launch
 
 
 def make_buffer(fmt: str = "bf16", ranks: int = 1, small: int | None = None) -> Buffer:
@@ -233,3 +248,307 @@ def test_short_paths_leave_every_other_case_to_the_general_path(launches):
     del buf._closed
     assert launches == [] and buf._rounds == before
     assert ep._dispatch_single(buf, x, ids, w, 1.0, all_) is not None and len(launches) == 1  # and now it may
+
+
+# ---- the torch short path -----------------------------------------------------------------------------------------
+class _TorchDtype:
+    def __init__(self, name: str):
+        self.name = name
+
+
+def _fake_torch() -> types.ModuleType:
+    """What the torch short path reads of torch: Tensor, strided, dtypes, the current stream's handle."""
+    torch = types.ModuleType("torch")
+    for name in ("bfloat16", "float32", "float16", "int32", "int64", "uint8"):
+        setattr(torch, name, _TorchDtype(name))
+    torch.strided, torch.sparse_coo = object(), object()
+
+    class Tensor:
+        def __init__(self, like, dtype, *, device: int = 0, contiguous: bool = True, layout=None, offset: int = 0):
+            self.shape, self.dtype, self.device_index = tuple(like.shape), dtype, device
+            self.ptr, self.contiguous = like.data.ptr + offset, contiguous
+            self.layout = torch.strided if layout is None else layout
+
+        def dim(self) -> int:
+            return len(self.shape)
+
+        def size(self, i: int) -> int:
+            return self.shape[i]
+
+        def is_contiguous(self) -> bool:
+            return self.contiguous
+
+        @property
+        def is_cuda(self) -> bool:
+            return self.device_index >= 0
+
+        def get_device(self) -> int:
+            return self.device_index
+
+        def data_ptr(self) -> int:
+            return self.ptr
+
+    torch.Tensor = Tensor
+    torch._C = types.SimpleNamespace(_cuda_getCurrentRawStream=lambda dev: 0x5000 + dev)
+    torch.device = lambda kind, index: (kind, index)
+    torch.made = []  # the stand-in arrays behind each torch.empty
+
+    def empty(shape, dtype, device):
+        assert device == ("cuda", 0)
+        a = FakeArray(shape, np.uint8)
+        torch.made.append(a)
+        return Tensor(a, dtype)
+
+    torch.empty = empty
+    return torch
+
+
+@pytest.fixture
+def torch(monkeypatch, launches):
+    """A stand-in torch in sys.modules; the buffer's torch views are markers (no real tensors here)."""
+    import sys
+
+    from cuep import interop
+
+    fake = _fake_torch()
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    monkeypatch.setattr(interop, "_bindings", [None])
+    monkeypatch.setattr(interop, "_persistent_view", lambda r, attr: None if getattr(r, attr) is None
+                        else ("torch view", attr))
+    monkeypatch.setattr(interop, "_buffer_view", lambda buf, a: ("torch view of", a))
+    return fake
+
+
+def as_tensors(torch, *arrays):
+    kinds = {BF16: torch.bfloat16, np.dtype(np.float32): torch.float32, np.dtype(np.int32): torch.int32}
+    return tuple(None if a is None else torch.Tensor(a, kinds[a.dtype]) for a in arrays)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("small", [None, 16])
+@pytest.mark.parametrize("n", [1, 64])
+@pytest.mark.parametrize("weights", [True, False])
+@pytest.mark.parametrize("dtype", [BF16, np.float32])
+def test_torch_dispatch_launches_what_the_cupy_path_does(launches, torch, fmt, small, n, weights, dtype):
+    x, ids, w = inputs(n, weights, dtype)
+    tx, tids, tw = as_tensors(torch, x, ids, w)
+    for phases in (ep._PHASES_ALL, ep.PHASE_NOTIFY | ep.PHASE_SEND):
+        buf = make_buffer(fmt, 1, small)
+        ep._dispatch(buf, x, ids, w, 1.0, phases)  # prepares the launch
+        buf._rounds["pending"] = None
+        (d_cupy, d_torch), (l_cupy, l_torch), (s_cupy, s_torch) = both_paths(
+            buf, lambda: ep._dispatch_single(buf, x, ids, w, 0.5, phases),
+            lambda: ep._dispatch_single_torch(buf, tx, tids, tw, 0.5, phases), launches)
+        assert d_torch is not None and len(l_torch) == 1 and l_cupy == l_torch and s_cupy == s_torch
+        assert STREAMS == [0x5000]  # torch's current stream of device 0
+        assert d_torch._torch and d_torch._topk_ids is tids and d_torch.tokens == ("torch view", "tokens")
+        assert (d_torch.num_tokens, d_torch._has_weights, d_torch._seq, d_torch.rank) == \
+            (d_cupy.num_tokens, d_cupy._has_weights, d_cupy._seq, d_cupy.rank)
+        STREAMS.clear()
+        if phases != ep._PHASES_ALL:  # the wait half: the receive launch, on torch's stream
+            (w_cupy, w_torch), (l_cupy, l_torch), (s_cupy, s_torch) = both_paths(
+                buf, lambda: ep.dispatch_wait.__wrapped__(d_cupy), lambda: ep._dispatch_wait_torch(d_torch),
+                launches)
+            assert w_torch is d_torch and len(l_torch) == 1 and l_cupy == l_torch and s_cupy == s_torch
+            assert STREAMS == [0x5000]
+            STREAMS.clear()
+
+
+@pytest.mark.parametrize("weights_at_dispatch", [True, False])
+@pytest.mark.parametrize("combine_weights, residual", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("local", [True, False])
+def test_torch_combine_launches_what_the_cupy_path_does(launches, torch, weights_at_dispatch, combine_weights,
+                                                        residual, local):
+    n = 16
+    if residual and not (combine_weights or weights_at_dispatch):
+        return
+    x, ids, w = inputs(n, weights_at_dispatch)
+    cw = FakeArray((n, K), np.float32) if combine_weights else None
+    res = FakeArray((n, H), BF16) if residual else None
+    buf = make_buffer("bf16", 1)
+    eo = FakeArray((buf.cfg.capacity, H), BF16)
+    teo, tcw, tres, tids = as_tensors(torch, eo, cw, res, ids)
+    phases = ep._PHASES_ALL if local else ep.PHASE_NOTIFY | ep.PHASE_SEND  # a one-rank round, or the protocol's
+    d = ep._dispatch(buf, x, ids, w, 1.0, phases)[0]
+    if not local:
+        ep.dispatch_wait.__wrapped__(d)
+    d._topk_ids = tids  # as the torch dispatch leaves it (the CuPy one's address: the same launch)
+    ep._combine(buf, eo, d, cw, res, ep._PHASES_ALL)  # prepares the launches and the output view
+    ep._combine(buf, eo, d, cw, res, ep.PHASE_NOTIFY | ep.PHASE_SEND)
+    ep._combine(buf, eo, d, cw, res, ep.PHASE_RECV)
+    for ph in (ep._PHASES_ALL, ep.PHASE_NOTIFY | ep.PHASE_SEND, ep.PHASE_RECV):
+        if ph == ep.PHASE_RECV:  # its combine_async pending, as both paths leave it
+            ep._combine_single(buf, eo, d, cw, res, ep.PHASE_NOTIFY | ep.PHASE_SEND)
+        STREAMS.clear()
+        (o_cupy, o_torch), (l_cupy, l_torch), (s_cupy, s_torch) = both_paths(
+            buf, lambda: ep._combine_single(buf, eo, d, cw, res, ph),
+            lambda: ep._combine_single_torch(buf, teo, d, tcw, tres, ph), launches)
+        assert o_torch == ("torch view of", o_cupy)
+        assert l_cupy == l_torch and s_cupy == s_torch
+        assert len(l_torch) == (0 if local and ph == ep.PHASE_NOTIFY | ep.PHASE_SEND else 1)
+        assert STREAMS == [0x5000] * len(l_torch)
+
+
+def test_torch_short_path_leaves_every_other_case_to_torch_mode(launches, torch):
+    buf = make_buffer("bf16")
+    x, ids, w = inputs(8)
+    tx, tids, tw = as_tensors(torch, x, ids, w)
+    all_ = ep._PHASES_ALL
+    assert ep._dispatch_single_torch(buf, tx, tids, tw, 1.0, all_) is None  # nothing prepared yet
+    d = ep._dispatch(buf, x, ids, w, 1.0, all_)[0]
+    eo = FakeArray((buf.cfg.capacity, H), BF16)
+    ep._combine(buf, eo, d, None, None, all_)
+    (teo,) = as_tensors(torch, eo)
+    launches.clear()
+    before = dict(buf._rounds)
+    T = torch.Tensor
+    bad_dispatch = [
+        (T(x, torch.float16), tids, tw, 1.0),                     # dtype
+        (T(x, torch.bfloat16, contiguous=False), tids, tw, 1.0),  # strides
+        (T(x, torch.bfloat16, device=1), tids, tw, 1.0),          # device
+        (T(x, torch.bfloat16, device=-1), tids, tw, 1.0),         # on the CPU
+        (T(x, torch.bfloat16, layout=torch.sparse_coo), tids, tw, 1.0),  # layout
+        (T(x, torch.bfloat16, offset=8), tids, tw, 1.0),          # alignment
+        (tx, T(ids, torch.int64), tw, 1.0),                       # ids dtype
+        (tx, tids, T(w, torch.float32, offset=2), 1.0),           # weights alignment
+        (tx, ids, tw, 1.0), (x, tids, tw, 1.0),                   # a CuPy array among tensors
+        ([tx], [tids], [tw], 1.0),                                # lists
+        (tx, tids, tw, 0.0), (tx, tids, tw, 1),                   # global scale
+    ]
+    for args in bad_dispatch:
+        assert ep._dispatch_single_torch(buf, *args, all_) is None
+    assert ep._dispatch_torch(buf, tx, tids, tw, validate=True) is NotImplemented
+    for args in [(T(eo, torch.float32), d, None, None), (teo, d, T(w, torch.float32, device=1), None),
+                 (eo, d, None, None), (teo, [d], None, None)]:
+        assert ep._combine_single_torch(buf, *args, all_) is None
+    assert ep._combine_single_torch(buf, teo, d, None, None, ep.PHASE_RECV) is None  # no combine_async pending
+    assert ep._dispatch_wait_torch(d) is NotImplemented  # not a torch result, nothing pending
+    _Runtime.device = 1
+    assert ep._dispatch_single_torch(buf, tx, tids, tw, 1.0, all_) is None
+    assert ep._combine_single_torch(buf, teo, d, None, None, all_) is None
+    _Runtime.device = 0
+    assert launches == [] and buf._rounds == before
+    assert ep._dispatch_single_torch(buf, tx, tids, tw, 1.0, all_) is not None and STREAMS == [0x5000]
+
+
+@pytest.fixture
+def ops_launches(monkeypatch, torch):
+    """cuep.ops on stand-ins: every launch recorded as (grid, block, smem, parameter bytes, stream: None for CuPy's
+    current one)."""
+    from cuep import ops
+
+    monkeypatch.setattr(ops, "_cupy", _hp.STAND_IN_CUPY)
+    monkeypatch.setattr(ops, "_ND", FakeArray)
+    monkeypatch.setattr(ops, "_quantize_plans", {})
+    monkeypatch.setattr(ops, "_silu_plans", {})
+    by_argv = {}
+
+    def prepare(filename, name, sig, dev, smem=0):
+        fn = types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=len(by_argv) + 1))
+        launch = _kernels.PreparedLaunch(fn, 256, smem, 8 * len(sig), tuple(range(0, 8 * len(sig), 8)),
+                                         _kernels.slot_struct(sig))
+        by_argv[launch.argv_ptr] = launch
+        return launch, 64
+
+    monkeypatch.setattr(ops, "_prepare", prepare)
+    log = []
+
+    def launch_raw(func, grid, block, smem, argv_ptr, stream=None):
+        log.append((func, grid, block, smem, bytes(by_argv[argv_ptr].raw), stream))
+
+    monkeypatch.setattr(_kernels, "_launch_raw", launch_raw)
+    return ops, log
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "mxfp4"])
+@pytest.mark.parametrize("dtype", [BF16, np.float32])
+@pytest.mark.parametrize("given", [True, False])
+def test_torch_quantize_launches_what_the_cupy_path_does(ops_launches, torch, fmt, dtype, given):
+    from cuep.formats import FORMATS
+
+    ops, log = ops_launches
+    f, n = FORMATS[fmt], 24
+    x = FakeArray((n, H), dtype)
+    (tx,) = as_tensors(torch, x)
+    assert ops._quantize_torch(tx, fmt, 0.5) is NotImplemented  # no plan yet: torch mode makes it
+    p, s_ = FakeArray((n, f.payload_bytes(H)), np.uint8), FakeArray((n, f.scale_bytes(H)), np.uint8)
+    ops.quantize.__wrapped__(x, fmt, 0.5, out=(p, s_))  # makes the plan
+    if given:
+        out = (torch.Tensor(p, torch.uint8), torch.Tensor(s_, torch.uint8))
+        got = ops._quantize_torch(tx, fmt, 0.5, out=out)
+        assert got[0] is out[0] and got[1] is out[1]
+    else:
+        got = ops._quantize_torch(tx, fmt, 0.5)
+        p, s_ = torch.made  # the CuPy path below writes to the same addresses
+        assert [t.ptr for t in got] == [p.data.ptr, s_.data.ptr]
+        assert got[0].shape == p.shape and got[1].shape == s_.shape and got[0].dtype is torch.uint8
+    ops.quantize.__wrapped__(x, fmt, 0.5, out=(p, s_))
+    assert len(log) == 3 and log[1][:5] == log[2][:5] and log[1][5] == 0x5000 and log[2][5] is None
+
+
+@pytest.mark.parametrize("fmt, given", [("bf16", True), ("bf16", False), ("fp8", True), ("fp8", False),
+                                        ("nvfp4", False), ("mxfp4", False)])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_torch_fused_silu_launches_what_the_cupy_path_does(ops_launches, torch, fmt, given, interleaved):
+    ops, log = ops_launches
+    cap, inter, groups = 40, 256, 3
+    h = FakeArray((cap, 2 * inter), BF16)
+    ro = FakeArray((groups + 1,), np.int32)
+    th, tro = as_tensors(torch, h, ro)
+    assert ops._fused_silu_torch(th, tro, fmt, interleaved) is NotImplemented  # no plan yet
+    # a first CuPy call makes the plan; its outputs are stand-ins of the plan's shapes and dtypes
+    shapes = ops._silu_plan(ops.get_format(fmt), h, interleaved, groups, 0)[0]
+    outs = [FakeArray(s, d) for s, d in shapes]
+    ops.fused_silu.__wrapped__(h, ro, fmt, interleaved, 0.5, out=outs[0] if fmt == "bf16" else tuple(outs))
+    kinds = {BF16: torch.bfloat16, np.dtype(np.uint8): torch.uint8, np.dtype(np.float32): torch.float32}
+    if given:
+        tout = [torch.Tensor(a, kinds[a.dtype]) for a in outs]
+        got = ops._fused_silu_torch(th, tro, fmt, interleaved, 0.5, out=tout[0] if fmt == "bf16" else tuple(tout))
+        assert (got is tout[0]) if fmt == "bf16" else list(got) == tout
+    else:
+        got = ops._fused_silu_torch(th, tro, fmt, interleaved, 0.5)
+        outs = list(torch.made)
+        got = [got] if fmt == "bf16" else list(got)
+        assert [t.ptr for t in got] == [a.data.ptr for a in outs] and [t.shape for t in got] == [s for s, _ in shapes]
+        for a, (s_, d) in zip(outs, shapes):  # the CuPy call below: stand-ins of the plan's dtypes, same addresses
+            a.dtype = np.dtype(d)
+    ops.fused_silu.__wrapped__(h, ro, fmt, interleaved, 0.5, out=outs[0] if fmt == "bf16" else tuple(outs))
+    assert len(log) == 3 and log[1][:5] == log[2][:5] and log[1][5] == 0x5000 and log[2][5] is None
+
+
+def test_torch_ops_leave_every_other_case_to_torch_mode(ops_launches, torch):
+    from cuep.formats import FORMATS
+
+    ops, log = ops_launches
+    f, n = FORMATS["fp8"], 8
+    x = FakeArray((n, H), BF16)
+    p, s_ = FakeArray((n, f.payload_bytes(H)), np.uint8), FakeArray((n, f.scale_bytes(H)), np.uint8)
+    ops.quantize.__wrapped__(x, "fp8", out=(p, s_))
+    ops.quantize.__wrapped__(FakeArray((0, H), BF16), "bf16",  # the bf16 plan (a copy: no launch)
+                             out=(FakeArray((0, 2 * H), np.uint8), FakeArray((0, 0), np.uint8)))
+    T = torch.Tensor
+    tx, tp, ts = T(x, torch.bfloat16), T(p, torch.uint8), T(s_, torch.uint8)
+    log.clear()
+    bad = [((T(x, torch.float16), "fp8"), {}), ((T(x, torch.bfloat16, contiguous=False), "fp8"), {}),
+           ((T(x, torch.bfloat16, device=1), "fp8"), {}), ((T(x, torch.bfloat16, offset=8), "fp8"), {}),
+           ((tx, "fp9"), {}), ((tx, "bf16"), {}), ((tx, "fp8", 1), {}), ((tx, "fp8", 0.0), {}),
+           ((tx, "fp8"), {"out": [tp, ts]}), ((tx, "fp8"), {"out": (tp,)}), ((tx, "fp8"), {"out": (ts, tp)}),
+           ((tx, "fp8"), {"out": (p, s_)}), ((x, "fp8"), {})]
+    for args, kw in bad:
+        assert ops._quantize_torch(*args, **kw) is NotImplemented, (args, kw)
+    _Runtime.device = 1
+    assert ops._quantize_torch(tx, "fp8", out=(tp, ts)) is NotImplemented
+    _Runtime.device = 0
+    assert log == []
+    assert ops._quantize_torch(tx, "fp8", out=(tp, ts)) == (tp, ts) and len(log) == 1
+    h, ro = FakeArray((16, 512), BF16), FakeArray((3,), np.int32)
+    ops.fused_silu.__wrapped__(h, ro, "nvfp4", out=tuple(FakeArray(s, d) for s, d in
+                                                         ops._silu_plan(ops.get_format("nvfp4"), h, False, 2, 0)[0]))
+    log.clear()
+    th = T(h, torch.bfloat16)
+    outs = [T(FakeArray(s, d), k) for (s, d), k in zip(ops._silu_plan(ops.get_format("nvfp4"), h, False, 2, 0)[0],
+                                                        (torch.uint8, torch.uint8, torch.int32))]
+    for args, kw in [((th, T(ro, torch.int64)), {}), ((th, T(ro, torch.int32), "nvfp4"), {"out": tuple(outs)}),
+                     ((th, T(ro, torch.int32), "nvfp4", True), {}), ((th, ro, "nvfp4"), {})]:
+        assert ops._fused_silu_torch(*args, **kw) is NotImplemented, (args, kw)
+    assert log == []

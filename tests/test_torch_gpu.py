@@ -28,6 +28,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 ROOT = Path(__file__).resolve().parents[1]
 FORMATS = ["bf16", "fp8", "nvfp4", "mxfp4"]
 GROUPS = [pytest.param([0], id="gpu1"), pytest.param([0, 0], id="sim2")]
+# bare: one rank's tensors passed as they are (not in lists): after a call has prepared its launch, the torch short
+# path (cuep.ep._dispatch_single_torch, ...) takes such calls
+GROUPS_BARE = [pytest.param([0], False, id="gpu1"), pytest.param([0], True, id="gpu1-bare"),
+               pytest.param([0, 0], False, id="sim2")]
 FIELDS = ("tokens", "scales", "row_offsets", "expert_ids", "src_info", "scales_offsets")
 SLEEP_CYCLES = int(2e9)  # torch.cuda._sleep: about a second of GPU clock, far longer than the host needs to enqueue
 
@@ -160,15 +164,15 @@ def test_outputs_are_views_made_once(devices, rng):
         assert out1[i]._base is not None and out1[i]._base is out2[i]._base  # slices of one cached view
 
 
-@pytest.mark.parametrize("devices", GROUPS)
-def test_work_is_queued_on_torchs_current_stream(devices, rng):
+@pytest.mark.parametrize("devices, bare", GROUPS_BARE)
+def test_work_is_queued_on_torchs_current_stream(devices, bare, rng):
     import cupy
 
     cfg, buf = make(devices, hidden=512, max_tokens_per_rank=32)
     R = len(devices)
     xs, ids, ws = make_inputs(rng, cfg, [32] * R)
     tx, tids, tws = ([to_torch(a, 0) for a in arrays] for arrays in (xs, ids, ws))
-    cuep.dispatch(buf, tx, tids, tws)  # compiles the kernels and makes the views
+    _call(cuep.dispatch, bare, buf, tx, tids, tws)  # compiles the kernels and makes the views
     buf.synchronize()
     poison_outputs(buf)
     cupy.cuda.Device(0).synchronize()
@@ -176,7 +180,7 @@ def test_work_is_queued_on_torchs_current_stream(devices, rng):
     stream = torch.cuda.Stream(device=0)
     with torch.cuda.stream(stream):
         torch.cuda._sleep(SLEEP_CYCLES)
-        d = cuep.dispatch(buf, tx, tids, tws)
+        d = _call(cuep.dispatch, bare, buf, tx, tids, tws)
         done = torch.cuda.Event()
         done.record()
     assert cupy.cuda.get_current_stream() is before  # CuPy's stream is restored after the call
@@ -188,8 +192,8 @@ def test_work_is_queued_on_torchs_current_stream(devices, rng):
     check_dispatch(buf, [seen_by_cupy(x) for x in d], ref.dispatch(xs, ids, cfg), cfg)
 
 
-@pytest.mark.parametrize("devices", GROUPS)
-def test_torch_cuda_graph_capture_and_replay(devices, rng):
+@pytest.mark.parametrize("devices, bare", GROUPS_BARE)
+def test_torch_cuda_graph_capture_and_replay(devices, bare, rng):
     """dispatch -> a torch expert op -> combine captured by torch.cuda.graph, replayed with new inputs in place."""
     cfg, buf = make(devices, hidden=512, max_tokens_per_rank=32)
     R = len(devices)
@@ -198,10 +202,10 @@ def test_torch_cuda_graph_capture_and_replay(devices, rng):
     eo = [torch.zeros((cfg.capacity, cfg.hidden), dtype=torch.bfloat16, device="cuda:0") for _ in range(R)]
 
     def layer():
-        d = cuep.dispatch(buf, tx, tids, tws)
+        d = _call(cuep.dispatch, bare, buf, tx, tids, tws)
         for i in range(R):
             torch.mul(d[i].tokens, 2, out=eo[i])  # the "expert": a torch op on the dispatched rows (exact in bf16)
-        return cuep.combine(buf, eo, d)
+        return _call(cuep.combine, bare, buf, eo, d)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -224,6 +228,30 @@ def test_torch_cuda_graph_capture_and_replay(devices, rng):
         for i in range(R):
             want = 2 * xs2[i].astype(np.float32) * ws2[i].sum(1, keepdims=True)
             np.testing.assert_allclose(to_numpy(out[i]).astype(np.float32), want, rtol=3e-2, atol=6e-2)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_torch_short_path_rounds_match_reference(fmt, rng, monkeypatch):
+    """One rank, bare tensors: once a first pass of rounds has prepared the launches, every call of a second pass
+    takes the torch short path (torch mode refuses here) and the rounds still match cuep.reference: fused and in
+    halves, small and larger one-rank rounds, weights at dispatch, at combine or none, with a residual."""
+    from cuep import interop
+
+    cfg, buf = make([0], dispatch_format=fmt, small_batch_tokens=24)
+    T = cfg.max_tokens_per_rank
+    rounds = [([T], dict(weights_at="dispatch")), ([5], dict(weights_at="combine", residual=True)),
+              ([30], dict(weights_at=None)), ([T], dict(weights_at="combine", async_halves=True, residual=True)),
+              ([3], dict(weights_at="dispatch", async_halves=True))]
+    for n, kw in rounds:
+        torch_round(buf, cfg, rng, n, bare=True, **kw)
+
+    def torch_mode(fn, *a, **k):
+        raise AssertionError(f"{fn.__name__} went to torch mode, not the torch short path")
+
+    monkeypatch.setattr(interop, "_call_torch", torch_mode)
+    for n, kw in rounds:
+        torch_round(buf, cfg, rng, n, bare=True, **kw)
+    buf.check()
 
 
 def test_bad_torch_inputs_give_clear_errors(rng):
@@ -280,6 +308,55 @@ def test_fused_silu_with_torch_tensors(out_fmt, rng):
         assert type(got) is tuple and all(isinstance(t, torch.Tensor) for t in got)
         np.testing.assert_array_equal(to_numpy(got[0])[:40], want[0])
         np.testing.assert_array_equal(to_numpy(got[1])[:, :40].view(np.uint32), want[1].view(np.uint32))
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "mxfp4"])
+def test_torch_ops_short_path_matches_reference(fmt, rng, monkeypatch):
+    """quantize and fused_silu with bare tensors: once a first call has made the plan, the next ones take the torch
+    short path (torch mode refuses here), outputs from torch or ``out=``, bit for bit as cuep.reference."""
+    from cuep import interop
+
+    n, h, cap, inter = 40, 512, 64, 256
+    ro = np.array([0, 10, 10, 40], np.int32)
+    tro = to_torch(ro, 0)
+    hs = rng.standard_normal((cap, 2 * inter)).astype(BF16)
+    cuep.ops.quantize(to_torch(random_tokens(rng, n, h), 0), fmt)  # the plans, in torch mode
+    for out_fmt in ("bf16", fmt):
+        cuep.ops.fused_silu(to_torch(hs, 0), tro, out_fmt)
+
+    def torch_mode(fn, *a, **k):
+        raise AssertionError(f"{fn.__name__} went to torch mode, not the torch short path")
+
+    monkeypatch.setattr(interop, "_call_torch", torch_mode)
+    x = random_tokens(rng, n, h)
+    want_p, want_s = ref.quantize(x, fmt)
+    payload, scales = cuep.ops.quantize(to_torch(x, 0), fmt)
+    assert payload.dtype == torch.uint8 and payload.device == torch.device("cuda", 0)
+    out = (torch.full_like(payload, 0xAB), torch.full_like(scales, 0xAB))
+    got = cuep.ops.quantize(to_torch(x, 0), fmt, out=out)
+    assert got[0] is out[0] and got[1] is out[1]
+    for p_, s_ in ((payload, scales), out):
+        np.testing.assert_array_equal(to_numpy(p_), want_p)
+        np.testing.assert_array_equal(to_numpy(s_), want_s)
+    hs = rng.standard_normal((cap, 2 * inter)).astype(BF16)
+    th = to_torch(hs, 0)
+    want = ref.fused_silu(hs, ro, "bf16")
+    got = cuep.ops.fused_silu(th, tro, "bf16")
+    np.testing.assert_array_equal(to_numpy(got)[:40].view(np.uint16), want.view(np.uint16))
+    got = cuep.ops.fused_silu(th, tro, fmt)
+    want = ref.fused_silu(hs, ro, fmt)
+    np.testing.assert_array_equal(to_numpy(got[0])[:40], want[0])
+    if fmt == "fp8":
+        np.testing.assert_array_equal(to_numpy(got[1])[:, :40].view(np.uint32), want[1].view(np.uint32))
+    else:  # the swizzled scales' shape and dtype and their group offsets, as torch mode gives them (the bytes
+        # past the used tiles are left as they were, so the scales themselves: tests/test_ops_gpu.py)
+        monkeypatch.undo()
+        again = interop._call_torch(cuep.ops.fused_silu.__wrapped__, ("h", "row_offsets", "out_fmt"),
+                                    (th, tro, fmt), {})
+        for a, b in zip(got, again):
+            assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(to_numpy(got[0])[:40], to_numpy(again[0])[:40])
+        np.testing.assert_array_equal(to_numpy(got[2]), to_numpy(again[2]))
 
 
 def test_ops_under_torch_cuda_graph(rng):
