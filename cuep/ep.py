@@ -25,7 +25,7 @@ import numpy as np
 
 from . import _kernels
 from .buffer import Buffer
-from .interop import tensor_ok, torch_aware, torch_bindings
+from .interop import tensor_ptr, torch_aware, torch_bindings
 from .params import (CALL_FIELDS, COMBINE_PARAMS_DTYPE, DISPATCH_PARAMS_DTYPE, c_contiguous, call_struct,
                      kernel_argument, launch_record, pointer)
 from .formats import GLOBAL_SCALE_MAX, GLOBAL_SCALE_MIN
@@ -667,12 +667,19 @@ def _dispatch_single_torch(buf, x, topk_ids, topk_weights, global_scale, phases:
             or not GLOBAL_SCALE_MIN <= global_scale <= GLOBAL_SCALE_MAX:
         return None
     tb = torch_bindings()
-    if type(x) is not tb.tensor or x.dim() != 2:
+    if type(x) is not tb.tensor:
         return None
-    n, dev, w = x.size(0), host.devices[0], topk_weights
-    if not (n <= host.max_tokens and tensor_ok(x, tb, n, host.hidden, tb.x_dtypes, dev, 15)
-            and tensor_ok(topk_ids, tb, n, host.top_k, tb.i32s, dev, 3)
-            and (w is None or tensor_ok(w, tb, n, host.top_k, tb.f32s, dev, 3))):
+    shp = x.shape
+    if len(shp) != 2:
+        return None
+    n, dev, w = shp[0], host.devices[0], topk_weights
+    ids_shape = (n, host.top_k)
+    xp = tensor_ptr(x, tb, None, tb.x_dtypes, dev, 15) if 0 < n <= host.max_tokens and shp[1] == host.hidden else 0
+    ip = tensor_ptr(topk_ids, tb, ids_shape, tb.i32s, dev, 3) if xp else 0
+    if not ip:
+        return None
+    wp = 0 if w is None else tensor_ptr(w, tb, ids_shape, tb.f32s, dev, 3)
+    if w is not None and not wp:
         return None
     route = _route(host, phases, n)
     launch = host.plans.get((0, phases, "bf16" if x.dtype is tb.bf16 else "f32", route))
@@ -682,8 +689,8 @@ def _dispatch_single_torch(buf, x, topk_ids, topk_weights, global_scale, phases:
     rounds = buf._rounds
     seq = rounds["dispatches"] + 1
     d = Dispatched(*_torch_results(buf, host), n, topk_ids, w is not None, buf, seq, True)
-    launch.launch_call_on(tb.stream(dev), buf.num_sms, x.data_ptr(), topk_ids.data_ptr(),
-                          0 if w is None else w.data_ptr(), n, global_scale, _with_one_call(phases))
+    launch.launch_call_on(tb.stream(dev), buf.num_sms, xp, ip, wp, n, global_scale,
+                          _with_one_call(phases))
     rounds["local"] = route != 0
     rounds["dispatches"] = seq
     if not phases & PHASE_RECV:
@@ -732,17 +739,26 @@ def _combine_single_torch(buf, expert_out, dispatched, topk_weights, residual, p
     rounds, d, eo, w, rs = buf._rounds, dispatched, expert_out, topk_weights, residual
     tb = torch_bindings()
     if type(d) is not Dispatched or d._buffer is not buf or d._seq != rounds["dispatches"] \
-            or type(eo) is not tb.tensor or eo.dim() != 2:
+            or type(eo) is not tb.tensor:
         return None
-    rows, N, dev = eo.size(0), d.num_tokens, host.devices[0]
+    shp, N, dev = eo.shape, d.num_tokens, host.devices[0]
+    if len(shp) != 2:
+        return None
     cdts = tb.x_dtypes[:1] if host.combine_suffix == "bf16" else tb.f32s
-    if not (rows >= host.capacity and tensor_ok(eo, tb, rows, host.hidden, cdts, dev, 15)
-            and (w is None or tensor_ok(w, tb, N, host.top_k, tb.f32s, dev, 3))
-            and (rs is None or (w is not None or d._has_weights) and tensor_ok(rs, tb, N, host.hidden, cdts, dev,
-                                                                             15))):
+    eo_ptr = tensor_ptr(eo, tb, None, cdts, dev, 15) if shp[0] >= host.capacity and shp[1] == host.hidden else 0
+    if not eo_ptr:
         return None
+    wp = rp = 0  # the addresses of the optional tensors (0: not given)
+    if w is not None:
+        wp = tensor_ptr(w, tb, (N, host.top_k), tb.f32s, dev, 3) if N > 0 else 0
+        if not wp:
+            return None
+    if rs is not None:
+        rp = tensor_ptr(rs, tb, (N, host.hidden), cdts, dev, 15) if N > 0 and (w is not None or d._has_weights) else 0
+        if not rp:
+            return None
     mode = MODE_WEIGHTED if w is not None else MODE_PARTIAL if d._has_weights else MODE_UNREDUCED
-    p, eo_ptr = rounds["pending"], eo.data_ptr()
+    p = rounds["pending"]
     if phases == PHASE_RECV:
         if p is None or p[0] != "combine" or p[2] != [mode] or p[3] != [eo_ptr]:
             return None
@@ -767,7 +783,7 @@ def _combine_single_torch(buf, expert_out, dispatched, topk_weights, residual, p
         if launch is None or (host.ipc and "combine.cu" not in buf._launched) or _runtime.getDevice() != dev:
             return None
         launch.launch_call_on(tb.stream(dev), buf.num_sms, eo_ptr, _ptr(d._topk_ids),
-                              0 if w is None else w.data_ptr(), 0 if rs is None else rs.data_ptr(), view.data.ptr,
+                              wp, rp, view.data.ptr,
                               N, mode, _with_one_call(ph))
     rounds["pending"] = ("combine", rounds["dispatches"], [mode], [eo_ptr]) \
         if phases == PHASE_NOTIFY | PHASE_SEND else None

@@ -59,12 +59,19 @@ def is_torch_tensor(a) -> bool:
 
 
 def _is_torch_arg(a, tensor) -> bool:
-    if isinstance(a, tensor) or getattr(a, "_torch", False) is True:  # a Dispatched of a torch call
-        return True
-    if isinstance(a, (list, tuple)):
-        for v in a:
-            if isinstance(v, tensor) or getattr(v, "_torch", False) is True:
-                return True
+    t = type(a)
+    if t is not tuple and t is not list:  # a plain tuple or list is neither a tensor nor flagged: straight to its items
+        if isinstance(a, tensor) or getattr(a, "_torch", False) is True:  # a Dispatched of a torch call
+            return True
+        if not isinstance(a, (list, tuple)):
+            return False
+    kinds = _KINDS if _KINDS_OF[0] is tensor else {}
+    for v in a:  # the items' kinds as _wants_torch reads them: a CuPy array costs one lookup, no getattr that misses
+        k = kinds.get(type(v))
+        if k is None:
+            k = _kind(type(v), tensor)
+        if k and (isinstance(v, tensor) or getattr(v, "_torch", False) is True):
+            return True
     return False
 
 
@@ -307,13 +314,18 @@ def torch_bindings() -> TorchBindings:
     return tb
 
 
-def tensor_ok(t, tb: TorchBindings, rows: int, cols: int, dtypes, device: int, mask: int) -> bool:
-    """Whether ``t`` is a contiguous [rows, cols] CUDA tensor (rows > 0) of one of ``dtypes`` on ``device`` whose
-    address has no bit of ``mask`` set: a short path's argument test in a few reads (cuep.ep._rows_ok's for torch;
-    cols None: a 1-D [rows] tensor)."""
-    return (type(t) is tb.tensor and rows > 0 and t.dtype in dtypes and t.layout is tb.strided
-            and t.dim() == (1 if cols is None else 2) and t.size(0) == rows and (cols is None or t.size(1) == cols)
-            and t.is_contiguous() and t.is_cuda and t.get_device() == device and not t.data_ptr() & mask)
+def tensor_ptr(t, tb: TorchBindings, shape, dtypes, device: int, mask: int) -> int:
+    """The device address of ``t`` if it is a contiguous CUDA tensor of ``shape`` (a tuple; None: the caller has
+    checked the shape) and one of ``dtypes`` on ``device`` whose address has no bit of ``mask`` set, else 0: a short
+    path's argument test in a few reads (cuep.ep._rows_ok's for torch; the callers' shapes have rows, so a tensor
+    that passes has memory and a nonzero address). ``shape`` compares with ``t.shape`` in one read (``size(i)``
+    costs more per call than the whole torch.Size); a CPU tensor's ``get_device()`` is -1."""
+    if type(t) is tb.tensor and t.dtype in dtypes and t.layout is tb.strided \
+            and (shape is None or t.shape == shape) and t.is_contiguous() and t.get_device() == device:
+        ptr = t.data_ptr()
+        if not ptr & mask:
+            return ptr
+    return 0
 
 
 # ---- streams and allocations of a torch call ----------------------------------------------------------------------

@@ -17,7 +17,7 @@ import numpy as np
 
 from . import _kernels
 from .params import c_contiguous
-from .interop import tensor_ok, torch_aware, torch_bindings
+from .interop import tensor_ptr, torch_aware, torch_bindings
 from .formats import (FORMATS, GLOBAL_SCALE_MAX, GLOBAL_SCALE_MIN, SCALE_TILE_BYTES, SCALE_TILE_ROWS, Format,
                       ceil_div, check_hidden, get_format)
 
@@ -256,26 +256,34 @@ def _x_dtype(t, tb):
 def _quantize_torch(x, fmt, global_scale=1.0, out=None):
     tb = torch_bindings()
     f = FORMATS.get(fmt) if type(fmt) is str else None
-    if f is None or type(x) is not tb.tensor or x.dim() != 2 or type(global_scale) is not float \
+    if f is None or type(x) is not tb.tensor or type(global_scale) is not float \
             or not GLOBAL_SCALE_MIN <= global_scale <= GLOBAL_SCALE_MAX or _cupy is None:
         return NotImplemented
-    n, h, dt = x.size(0), x.size(1), _x_dtype(x, tb)
+    shp = x.shape
+    if len(shp) != 2 or not shp[0]:
+        return NotImplemented
+    (n, h), dt = shp, _x_dtype(x, tb)
     dev = _cupy.cuda.runtime.getDevice()
     plan = _quantize_plans.get((f.name, h, dt.num, dev)) if dt is not None else None
-    if plan is None or plan[3] is None or not tensor_ok(x, tb, n, h, tb.x_dtypes, dev, 15):
+    xp = tensor_ptr(x, tb, None, tb.x_dtypes, dev, 15) if plan is not None and plan[3] is not None else 0
+    if not xp:
         return NotImplemented
     pbytes, sbytes, steps, (fn, max_grid) = plan
     if out is None:
         d = tb.device(dev)
         payload = tb.module.empty((n, pbytes), dtype=tb.module.uint8, device=d)
         scales = tb.module.empty((n, sbytes), dtype=tb.module.uint8, device=d)
-    elif type(out) is tuple and len(out) == 2 and tensor_ok(out[0], tb, n, pbytes, tb.u8s, dev, 15) \
-            and tensor_ok(out[1], tb, n, sbytes, tb.u8s, dev, 15):
+        pp, sp = payload.data_ptr(), scales.data_ptr()
+    elif type(out) is tuple and len(out) == 2:
         payload, scales = out
+        pp = tensor_ptr(payload, tb, (n, pbytes), tb.u8s, dev, 15)
+        sp = tensor_ptr(scales, tb, (n, sbytes), tb.u8s, dev, 15) if pp else 0
+        if not sp:
+            return NotImplemented
     else:
         return NotImplemented
-    fn.launch_on(tb.stream(dev), min(ceil_div(n * steps, _THREADS // _WARP), max_grid), x.data_ptr(),
-                 payload.data_ptr(), scales.data_ptr(), n, h, global_scale)
+    fn.launch_on(tb.stream(dev), min(ceil_div(n * steps, _THREADS // _WARP), max_grid), xp, pp, sp, n, h,
+                 global_scale)
     return payload, scales
 
 
@@ -283,33 +291,38 @@ def _fused_silu_torch(h, row_offsets, out_fmt="bf16", interleaved=False, global_
     tb = torch_bindings()
     f = FORMATS.get(out_fmt) if type(out_fmt) is str else None
     ro = row_offsets
-    if f is None or type(h) is not tb.tensor or h.dim() != 2 or type(ro) is not tb.tensor or ro.dim() != 1 \
-            or type(global_scale) is not float or not GLOBAL_SCALE_MIN <= global_scale <= GLOBAL_SCALE_MAX \
-            or _cupy is None:
+    if f is None or type(h) is not tb.tensor or type(ro) is not tb.tensor or type(global_scale) is not float \
+            or not GLOBAL_SCALE_MIN <= global_scale <= GLOBAL_SCALE_MAX or _cupy is None:
         return NotImplemented
-    cap, width, dt, n_groups = h.size(0), h.size(1), _x_dtype(h, tb), ro.size(0) - 1
+    shp, ro_shp = h.shape, ro.shape
+    if len(shp) != 2 or not shp[0] or len(ro_shp) != 1:
+        return NotImplemented
+    (cap, width), dt, n_groups = shp, _x_dtype(h, tb), ro_shp[0] - 1
     dev = _cupy.cuda.runtime.getDevice()
     plan = _silu_plans.get((f.name, dt.num, cap, width, bool(interleaved), n_groups, dev)) if dt is not None \
         else None
-    if plan is None or not (tensor_ok(h, tb, cap, width, tb.x_dtypes, dev, 15)
-                            and tensor_ok(ro, tb, n_groups + 1, None, tb.i32s, dev, 15)):
+    hp = tensor_ptr(h, tb, None, tb.x_dtypes, dev, 15) if plan is not None else 0
+    rp = tensor_ptr(ro, tb, None, tb.i32s, dev, 15) if hp else 0
+    if not rp:
         return NotImplemented
     shapes, names, fn, grid, max_tiles = plan
     kinds = [tb.of_numpy[d] for _, d in shapes]
     if out is None:
         outs = [tb.module.empty(s, dtype=k, device=tb.device(dev)) for (s, _), k in zip(shapes, kinds)]
+        ptrs = [t.data_ptr() for t in outs]
     else:
         outs = [out] if f.name == "bf16" else list(out) if type(out) is tuple else None
         if outs is None or len(outs) != len(shapes):
             return NotImplemented
+        ptrs = []
         for t, (s, d), k in zip(outs, shapes, kinds):  # (a uint32 output: torch mode's dtype rules)
-            if d == _U32 or not tensor_ok(t, tb, s[0], s[1] if len(s) == 2 else None, (k,), dev, 15):
+            ptr = tensor_ptr(t, tb, s, (k,), dev, 15) if d != _U32 else 0
+            if not ptr:
                 return NotImplemented
-    dummy = outs[0]
-    scales = outs[1] if len(outs) > 1 else dummy
-    scales_offsets = outs[2] if len(outs) > 2 else dummy
-    fn.launch_on(tb.stream(dev), grid, h.data_ptr(), ro.data_ptr(), n_groups, cap, width // 2, outs[0].data_ptr(),
-                 scales.data_ptr(), scales_offsets.data_ptr(), max_tiles, global_scale)
+            ptrs.append(ptr)
+    dummy = ptrs[0]  # unused pointer arguments still need a valid address
+    fn.launch_on(tb.stream(dev), grid, hp, rp, n_groups, cap, width // 2, dummy,
+                 ptrs[1] if len(ptrs) > 1 else dummy, ptrs[2] if len(ptrs) > 2 else dummy, max_tiles, global_scale)
     return outs[0] if f.name == "bf16" else tuple(outs)
 
 
