@@ -9,10 +9,11 @@ driver's launch is taken out.
 CuPy arrays are stand-ins holding the fields cuep's checks read (dtype, contiguity, shape, size, data.ptr,
 device), the launch (``cuep._kernels._launch_raw``) does nothing, and a one-rank Buffer is assembled without
 allocating (its kernels are never compiled). Timed, H = 7168, K = 8, E = 256, N = 128: dispatch + combine,
-dispatch_async + dispatch_wait, dispatch + combine_async + combine_wait (bf16 and nvfp4 buffers), and
-ops.quantize with ``out=`` (fp8, nvfp4). Medians over interleaved runs, us per pair of calls; on a GPU machine
-add the launch of each call (``benchmarks/launch_floor.py``) and compare with ``benchmarks/host_cost.py``, which
-times the real calls. Nothing is asserted.
+dispatch_async + dispatch_wait, dispatch + combine_async + combine_wait (bf16 and nvfp4 buffers),
+ops.quantize with ``out=`` (fp8, nvfp4) and ops.fused_silu with ``out=`` (fp8, nvfp4; capacity N K, 4 groups).
+Medians over interleaved runs, us per case (the calls it names); on a GPU machine add the launch of each call
+(``benchmarks/launch_floor.py``) and compare with ``benchmarks/host_cost.py``, which times the real calls.
+Nothing is asserted.
 """
 from __future__ import annotations
 
@@ -157,6 +158,23 @@ def cases(pkg) -> dict:
         xq = StandIn((N, H), bf16)
         outs = (StandIn((N, f.payload_bytes(H)), np.uint8), StandIn((N, f.scale_bytes(H)), np.uint8))
         out[f"ops.quantize {fmt} (out=)"] = lambda xq=xq, fmt=fmt, outs=outs: pkg.ops.quantize(xq, fmt, out=outs)
+    sig = "PPiqiPPPqf"
+    cap, groups = N * K, 4
+    for fmt in ("fp8", "nvfp4"):
+        f = pkg.formats.FORMATS[fmt]
+        smem = ops._silu_ring_bytes() + (2 * (groups + 1) * 4 if f.swizzled_scales else 0)
+        launch = kernels.PreparedLaunch(fn, 512, smem, 8 * len(sig), tuple(range(0, 8 * len(sig), 8)),
+                                        kernels.slot_struct(sig))
+        ops._prepared[("silu.cu", f"fused_silu_{fmt}_bf16", 0, smem)] = (launch, 1024, sig)
+        hs, ro = StandIn((cap, 2 * H), bf16), StandIn((groups + 1,), np.uint32)
+        if fmt == "fp8":
+            outs = (StandIn((cap, H), np.uint8), StandIn((f.n_scales(H), cap), np.float32))
+        else:
+            tiles = ops._swizzle_tiles(cap, groups) * f.scale_k_tiles(H) * pkg.formats.SCALE_TILE_BYTES
+            outs = (StandIn((cap, f.payload_bytes(H)), np.uint8), StandIn((tiles,), np.uint8),
+                    StandIn((groups,), np.uint32))
+        out[f"ops.fused_silu {fmt} (out=)"] = lambda hs=hs, ro=ro, fmt=fmt, outs=outs: pkg.ops.fused_silu(
+            hs, ro, fmt, out=outs)
     return out
 
 

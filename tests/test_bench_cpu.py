@@ -686,17 +686,20 @@ def test_host_python_runs_without_a_gpu(capsys):
     spec.loader.exec_module(mod)
     saved = (ep._cupy, ep._ND, ep._runtime, ep._kernel, _kernels._launch_raw)
     from cuep import ops
-    saved_ops = (ops._cupy, ops._ND, dict(ops._prepared))
+    caches = (ops._prepared, ops._quantize_plans, ops._silu_plans)  # (the stand-in launches must not stay)
+    saved_ops = (ops._cupy, ops._ND) + tuple(dict(c) for c in caches)
     try:
         assert mod.main(["--reps", "3", "--runs", "1"]) == 0
     finally:
         ep._cupy, ep._ND, ep._runtime, ep._kernel, _kernels._launch_raw = saved
         ops._cupy, ops._ND = saved_ops[:2]
-        ops._prepared.clear()
-        ops._prepared.update(saved_ops[2])
+        for c, kept in zip(caches, saved_ops[2:]):
+            c.clear()
+            c.update(kept)
     out = capsys.readouterr().out
     for case in ("bf16 dispatch + combine", "bf16 dispatch_async + dispatch_wait", "nvfp4 dispatch + combine",
-                 "ops.quantize fp8 (out=)", "ops.quantize nvfp4 (out=)"):
+                 "ops.quantize fp8 (out=)", "ops.quantize nvfp4 (out=)", "ops.fused_silu fp8 (out=)",
+                 "ops.fused_silu nvfp4 (out=)"):
         assert case in out
     rows = [line.split() for line in out.splitlines() if line.startswith(("bf16 ", "nvfp4 ", "ops."))]
-    assert len(rows) == 6 and all(float(r[-1]) > 0 for r in rows)
+    assert len(rows) == 8 and all(float(r[-1]) > 0 for r in rows)
