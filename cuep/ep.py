@@ -758,11 +758,7 @@ def _combine_single_torch(buf, expert_out, dispatched, topk_weights, residual, p
         if not rp:
             return None
     mode = MODE_WEIGHTED if w is not None else MODE_PARTIAL if d._has_weights else MODE_UNREDUCED
-    p = rounds["pending"]
-    if phases == PHASE_RECV:
-        if p is None or p[0] != "combine" or p[2] != [mode] or p[3] != [eo_ptr]:
-            return None
-    elif p is not None:
+    if not _combine_half_in_order(rounds, phases, mode, eo_ptr):
         return None
     view = host.views.get((0, mode, N))
     hit = host.torch_views.get((mode, N))
@@ -773,20 +769,9 @@ def _combine_single_torch(buf, expert_out, dispatched, topk_weights, residual, p
         if out is None:
             return None
         hit = host.torch_views[(mode, N)] = (view, out)
-    local = rounds["local"]
-    ph = 0 if local and not phases & PHASE_RECV else phases
-    if ph:
-        name = host.combine_names[local]
-        smem = host.offsets_smem if local else COMBINE_RING_BYTES if (
-            ph & PHASE_SEND and mode == MODE_PARTIAL and host.combine_suffix == "bf16") else 0
-        launch = host.launches.get((0, name, smem))
-        if launch is None or (host.ipc and "combine.cu" not in buf._launched) or _runtime.getDevice() != dev:
-            return None
-        launch.launch_call_on(tb.stream(dev), buf.num_sms, eo_ptr, _ptr(d._topk_ids),
-                              wp, rp, view.data.ptr,
-                              N, mode, _with_one_call(ph))
-    rounds["pending"] = ("combine", rounds["dispatches"], [mode], [eo_ptr]) \
-        if phases == PHASE_NOTIFY | PHASE_SEND else None
+    if not _combine_single_launch(buf, host, phases, mode, tb.stream(dev), eo_ptr, _ptr(d._topk_ids), wp, rp,
+                                  view.data.ptr, N):
+        return None
     return hit[1]
 
 
@@ -1038,15 +1023,30 @@ def _combine_single(buf, expert_out, dispatched, topk_weights, residual, phases:
             and (rs is None or (w is not None or d._has_weights) and _rows_ok(rs, N, host.hidden, cdts, dev, 15))):
         return None
     mode = MODE_WEIGHTED if w is not None else MODE_PARTIAL if d._has_weights else MODE_UNREDUCED
+    eo_ptr = eo.data.ptr
+    out = host.views.get((0, mode, N)) if _combine_half_in_order(rounds, phases, mode, eo_ptr) else None
+    if out is None or not _combine_single_launch(buf, host, phases, mode, None, eo_ptr, _ptr(d._topk_ids),
+                                                 0 if w is None else w.data.ptr, 0 if rs is None else rs.data.ptr,
+                                                 out.data.ptr, N):
+        return None
+    return out
+
+
+def _combine_half_in_order(rounds, phases: int, mode: int, eo_ptr: int) -> bool:
+    """Whether a one-rank combine call may go now: a fused call or a first half with nothing pending, a second
+    half after its own first half (the same mode and expert_out)."""
     p = rounds["pending"]
     if phases == PHASE_RECV:
-        if p is None or p[0] != "combine" or p[2] != [mode] or p[3] != [eo.data.ptr]:
-            return None
-    elif p is not None:
-        return None
-    out = host.views.get((0, mode, N))
-    if out is None:
-        return None
+        return p is not None and p[0] == "combine" and p[2] == [mode] and p[3] == [eo_ptr]
+    return p is None
+
+
+def _combine_single_launch(buf, host, phases: int, mode: int, stream, eo_ptr: int, ids_ptr: int, w_ptr: int,
+                           rs_ptr: int, out_ptr: int, N: int) -> bool:
+    """The one-rank combine's launch (none for a one-rank round's first half: the second does it all) on
+    ``stream`` (None: CuPy's current), then the round's pending half; False: the launch is not prepared or the
+    device is not current (nothing done)."""
+    rounds = buf._rounds
     local = rounds["local"]
     ph = 0 if local and not phases & PHASE_RECV else phases
     if ph:
@@ -1054,13 +1054,17 @@ def _combine_single(buf, expert_out, dispatched, topk_weights, residual, phases:
         smem = host.offsets_smem if local else COMBINE_RING_BYTES if (
             ph & PHASE_SEND and mode == MODE_PARTIAL and host.combine_suffix == "bf16") else 0
         launch = host.launches.get((0, name, smem))
-        if launch is None or (host.ipc and "combine.cu" not in buf._launched) or _runtime.getDevice() != dev:
-            return None
-        launch.launch_call(buf.num_sms, eo.data.ptr, _ptr(d._topk_ids), 0 if w is None else w.data.ptr,
-                           0 if rs is None else rs.data.ptr, out.data.ptr, N, mode, _with_one_call(ph))
-    rounds["pending"] = ("combine", rounds["dispatches"], [mode], [eo.data.ptr]) \
+        if launch is None or (host.ipc and "combine.cu" not in buf._launched) \
+                or _runtime.getDevice() != host.devices[0]:
+            return False
+        values = (eo_ptr, ids_ptr, w_ptr, rs_ptr, out_ptr, N, mode, _with_one_call(ph))
+        if stream is None:
+            launch.launch_call(buf.num_sms, *values)
+        else:
+            launch.launch_call_on(stream, buf.num_sms, *values)
+    rounds["pending"] = ("combine", rounds["dispatches"], [mode], [eo_ptr]) \
         if phases == PHASE_NOTIFY | PHASE_SEND else None
-    return out
+    return True
 
 
 def _combine(buf: Buffer, expert_out, dispatched, topk_weights, residual, phases: int):

@@ -58,27 +58,10 @@ def is_torch_tensor(a) -> bool:
     return tensor is not None and isinstance(a, tensor)
 
 
-def _is_torch_arg(a, tensor) -> bool:
-    t = type(a)
-    if t is not tuple and t is not list:  # a plain tuple or list is neither a tensor nor flagged: straight to its items
-        if isinstance(a, tensor) or getattr(a, "_torch", False) is True:  # a Dispatched of a torch call
-            return True
-        if not isinstance(a, (list, tuple)):
-            return False
-    kinds = _KINDS if _KINDS_OF[0] is tensor else {}
-    for v in a:  # the items' kinds as _wants_torch reads them: a CuPy array costs one lookup, no getattr that misses
-        k = kinds.get(type(v))
-        if k is None:
-            k = _kind(type(v), tensor)
-        if k and (isinstance(v, tensor) or getattr(v, "_torch", False) is True):
-            return True
-    return False
-
-
 # Per argument type, for the torch.Tensor in _KINDS_OF: 0 never torch (a CuPy array, a str, None, a number: no
-# _torch attribute and no instance dict to hold one), 1 look at the value with _is_torch_arg (a tensor, a list or
-# tuple, a Dispatched with its _torch flag, any object that may carry one). One dict lookup per argument on the hot
-# path instead of isinstance and a getattr that misses (which costs an exception inside).
+# _torch attribute and no instance dict to hold one), 1 look at the value (a tensor, a list or tuple, a Dispatched
+# with its _torch flag, any object that may carry one). One dict lookup per argument on the hot path instead of
+# isinstance and a getattr that misses (which costs an exception inside).
 _KINDS: dict = {}
 _KINDS_OF: list = [None]
 
@@ -91,6 +74,24 @@ def _kind(t, tensor) -> int:
     return k
 
 
+def _any_torch(values, tensor, items: bool) -> bool:
+    """Whether one of ``values`` is a torch tensor or a torch call's Dispatched (``items``: also one item of a list
+    or tuple among them). A plain loop: this runs on every call with torch imported, torch arguments or not."""
+    kinds = _KINDS if _KINDS_OF[0] is tensor else {}
+    for v in values:
+        t = type(v)
+        k = kinds.get(t)
+        if k is None:
+            k = _kind(t, tensor)
+        if not k:
+            continue
+        if t is not tuple and t is not list and (isinstance(v, tensor) or getattr(v, "_torch", False) is True):
+            return True
+        if items and isinstance(v, (list, tuple)) and _any_torch(v, tensor, False):
+            return True
+    return False
+
+
 def _wants_torch(args, kwargs) -> bool:
     torch = sys.modules.get("torch")
     if torch is None:
@@ -98,20 +99,7 @@ def _wants_torch(args, kwargs) -> bool:
     tensor = getattr(torch, "Tensor", None)
     if tensor is None:
         return False
-    kinds = _KINDS if _KINDS_OF[0] is tensor else {}
-    for a in args:  # plain loops: this runs on every call with torch imported, torch arguments or not
-        k = kinds.get(type(a))
-        if k is None:
-            k = _kind(type(a), tensor)
-        if k and _is_torch_arg(a, tensor):
-            return True
-    for a in kwargs.values():
-        k = kinds.get(type(a))
-        if k is None:
-            k = _kind(type(a), tensor)
-        if k and _is_torch_arg(a, tensor):
-            return True
-    return False
+    return _any_torch(args, tensor, True) or (bool(kwargs) and _any_torch(kwargs.values(), tensor, True))
 
 
 # ---- dtypes -----------------------------------------------------------------------------------------------------

@@ -147,17 +147,21 @@ def test_short_dispatch_launches_what_the_general_path_does(launches, fmt, ranks
         assert d_short == d_general  # every field (dataclass equality), the buffer and topk_ids included
 
 
+def combine_inputs(n: int, weights_at_dispatch: bool, combine_weights: bool, residual: bool) -> tuple:
+    """(x, topk_ids, dispatch weights, combine weights, residual) of a combine case (the cases give a residual
+    only with combine weights)."""
+    x, ids, w = inputs(n, weights_at_dispatch)
+    cw = FakeArray((n, K), np.float32) if combine_weights else None
+    res = FakeArray((n, H), BF16) if residual else None
+    return x, ids, w, cw, res
+
+
 @pytest.mark.parametrize("weights_at_dispatch", [True, False])
 @pytest.mark.parametrize("combine_weights, residual", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_short_combine_launches_what_the_general_path_does(launches, weights_at_dispatch, combine_weights, residual,
                                                           ranks):
-    n = 16
-    if residual and not (combine_weights or weights_at_dispatch):
-        return
-    x, ids, w = inputs(n, weights_at_dispatch)
-    cw = FakeArray((n, K), np.float32) if combine_weights else None
-    res = FakeArray((n, H), BF16) if residual else None
+    x, ids, w, cw, res = combine_inputs(16, weights_at_dispatch, combine_weights, residual)
     buf = make_buffer("bf16", ranks)
     d = ep._dispatch(buf, x, ids, w, 1.0, ep._PHASES_ALL)[0]
     eo = FakeArray((buf.cfg.capacity, H), BF16)
@@ -359,12 +363,7 @@ def test_torch_dispatch_launches_what_the_cupy_path_does(launches, torch, fmt, s
 @pytest.mark.parametrize("local", [True, False])
 def test_torch_combine_launches_what_the_cupy_path_does(launches, torch, weights_at_dispatch, combine_weights,
                                                         residual, local):
-    n = 16
-    if residual and not (combine_weights or weights_at_dispatch):
-        return
-    x, ids, w = inputs(n, weights_at_dispatch)
-    cw = FakeArray((n, K), np.float32) if combine_weights else None
-    res = FakeArray((n, H), BF16) if residual else None
+    x, ids, w, cw, res = combine_inputs(16, weights_at_dispatch, combine_weights, residual)
     buf = make_buffer("bf16", 1)
     eo = FakeArray((buf.cfg.capacity, H), BF16)
     teo, tcw, tres, tids = as_tensors(torch, eo, cw, res, ids)
