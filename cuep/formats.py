@@ -56,7 +56,8 @@ class Format:
         block: elements per scale (0 for bf16).
         scale_itemsize: bytes per scale (0 for bf16).
         packed: two values per payload byte (e2m1).
-        row_align: rows of each expert group are padded to a multiple of this in ``row_offsets``.
+        row_align: rows of each expert group are padded to a multiple of this in ``row_offsets`` (a power of two:
+            the kernels pad with a mask).
         swizzled_scales: dispatch/fused_silu lay the scales out in 128x4 tiles (else float32 [H/block, rows]).
     """
 
@@ -67,6 +68,10 @@ class Format:
     packed: bool
     row_align: int
     swizzled_scales: bool
+
+    def __post_init__(self) -> None:
+        if self.row_align < 1 or self.row_align & (self.row_align - 1):
+            raise ValueError(f"format {self.name!r}: row_align={self.row_align} must be a power of two")
 
     @property
     def quantized(self) -> bool:

@@ -246,6 +246,16 @@ def test_message_layout_small():
             m.meta_bytes) == (0, 16, 32, 48, 64, 80)
 
 
+def test_row_align_is_a_power_of_two():
+    """The kernels pad a group's rows with a mask (dispatch/layout.cuh: padded), so Format refuses any other."""
+    import dataclasses
+
+    for f in FORMATS.values():
+        assert f.row_align >= 1 and f.row_align & (f.row_align - 1) == 0, f
+    with pytest.raises(ValueError, match="row_align=3 must be a power of two"):
+        dataclasses.replace(FORMATS["fp8"], row_align=3)
+
+
 def test_swizzled_offset_is_a_bijection_on_a_tile():
     offs = {swizzled_scale_offset(r, c, 1) for r in range(128) for c in range(4)}
     assert offs == set(range(512))

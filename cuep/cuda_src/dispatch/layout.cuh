@@ -7,10 +7,11 @@
 
 namespace cuep {
 
-// Rows of local expert group (rank r, local expert l) and the shared group of rank r, padded to the row alignment.
+// Rows of local expert group (rank r, local expert l) and the shared group of rank r, padded to the row alignment
+// (a power of two: cuep.formats.Format checks it; a mask, not a division, on the decode layout's critical path).
 __device__ __forceinline__ int padded(long long n, const EPParams& ep) {
-    const long long a = ep.row_align;
-    return static_cast<int>((n + a - 1) / a * a);
+    const int a = static_cast<int>(ep.row_align);
+    return (static_cast<int>(n) + a - 1) & -a;
 }
 // Tokens in rank r's shared group: its share of its token count, which is the last column of its tally row (with
 // skip_a2a the only row is mine; a share smaller than all N needs skip_a2a, so r is then this rank).

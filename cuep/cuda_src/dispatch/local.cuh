@@ -43,19 +43,32 @@ __device__ __forceinline__ uint8_t* local_scale_record(const EPParams& ep, int t
 }
 
 // The groups' first rows (shared expert first, each group padded to the row alignment) from the row count of each
-// local expert (`count(l)`), and for fp4 their first scale tiles. All threads of the block.
-// *tiles_end (fp4, thread 0): the scale tiles used.
+// local expert (`count(l)`), and for fp4 their first scale tiles (each group starts a fresh 128-row tile). All
+// threads of the block, a group each per pass, two barriers a pass: a warp scan, each warp's sum to shared memory,
+// then every warp scans those sums itself (its offset and the pass's total) and writes its groups. fp4 scans rows
+// and tiles together (packed: rows low, tiles high; two scans took 0.35 us more of an N = 1 round). (The block scan
+// of common.cuh, three barriers and a fourth to publish the layout, took 1.6-2.8% more of an N = 1 / 32 bf16
+// round, H100, cold.) *tiles_end (fp4): the scale tiles used.
+template <bool kWide>
+struct ScanWord {
+    using type = unsigned;
+};
+template <>
+struct ScanWord<true> {
+    using type = unsigned long long;
+};
 template <int FMT, class Count>
 __device__ void local_scan_groups(const EPParams& ep, int shared_n, Count count, unsigned* s_offsets,
                                   unsigned* s_tiles, unsigned* tiles_end) {
-    const int L = static_cast<int>(ep.n_local), sh = static_cast<int>(ep.shared);
     constexpr bool kTiled = FMT == kFmtNvfp4 || FMT == kFmtMxfp4;
-    __shared__ int s_scan[32];
-    __shared__ long long s_scan64[32];
-    int carry = sh ? padded(shared_n, ep) : 0;
-    // fp4: a group's first 128-row scale tile, from the groups' tile counts (each starts a fresh one), scanned with
-    // the rows in one pass (packed: rows low, tiles high; two scans took 0.35 us more of an N = 1 round)
-    int tile_carry = (carry + kScaleTileRows - 1) / kScaleTileRows;
+    using V = typename ScanWord<kTiled>::type;
+    auto rows_of = [](V v) { return static_cast<unsigned>(v & 0xffffffffu); };
+    auto tiles_of = [](V v) { return static_cast<unsigned>(static_cast<unsigned long long>(v) >> 32); };
+    const int L = static_cast<int>(ep.n_local), sh = static_cast<int>(ep.shared);
+    const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, n_warps = blockDim.x / kWarp;
+    __shared__ V s_sums[32];
+    unsigned carry = sh ? padded(shared_n, ep) : 0;
+    unsigned tile_carry = (carry + kScaleTileRows - 1) / kScaleTileRows;
     if (threadIdx.x == 0) {
         s_offsets[0] = 0;
         if (sh) s_offsets[1] = carry;
@@ -63,27 +76,34 @@ __device__ void local_scan_groups(const EPParams& ep, int shared_n, Count count,
     }
     for (int l0 = 0; l0 < L; l0 += blockDim.x) {
         const int l = l0 + threadIdx.x;
-        const int size = l < L ? padded(count(l), ep) : 0;
-        if constexpr (kTiled) {
-            const int tiles = (size + kScaleTileRows - 1) / kScaleTileRows;
-            const long long both = size | static_cast<long long>(tiles) << 32;
-            long long total;
-            const long long incl = block_inclusive_scan(both, s_scan64, &total);
-            if (l < L) {
-                s_offsets[sh + l + 1] = carry + static_cast<int>(incl & 0xffffffffLL);
-                s_tiles[sh + l] = tile_carry + static_cast<int>(incl >> 32) - tiles;
-            }
-            carry += static_cast<int>(total & 0xffffffffLL);
-            tile_carry += static_cast<int>(total >> 32);
-        } else {
-            int total;
-            const int incl = block_inclusive_scan(size, s_scan, &total);
-            if (l < L) s_offsets[sh + l + 1] = carry + incl;
-            carry += total;
+        const unsigned size = l < L ? padded(count(l), ep) : 0u;
+        const unsigned tiles = kTiled ? (size + kScaleTileRows - 1) / kScaleTileRows : 0u;
+        V incl = kTiled ? static_cast<V>(size | static_cast<unsigned long long>(tiles) << 32) : static_cast<V>(size);
+#pragma unroll
+        for (int o = 1; o < kWarp; o <<= 1) {
+            const V n = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += n;
         }
+        if (lane == kWarp - 1) s_sums[warp] = incl;
+        __syncthreads();
+        V sums = lane < n_warps ? s_sums[lane] : V(0);
+#pragma unroll
+        for (int o = 1; o < kWarp; o <<= 1) {
+            const V n = __shfl_up_sync(0xffffffffu, sums, o);
+            if (lane >= o) sums += n;
+        }
+        const V before = __shfl_sync(0xffffffffu, sums, warp > 0 ? warp - 1 : 0);
+        const V total = __shfl_sync(0xffffffffu, sums, n_warps - 1);
+        if (warp > 0) incl += before;
+        if (l < L) {
+            s_offsets[sh + l + 1] = carry + rows_of(incl);
+            if (kTiled) s_tiles[sh + l] = tile_carry + tiles_of(incl) - tiles;
+        }
+        carry += rows_of(total);
+        if (kTiled) tile_carry += tiles_of(total);
+        if (kTiled && threadIdx.x == 0 && l0 + static_cast<int>(blockDim.x) >= L) *tiles_end = tile_carry;
+        __syncthreads();  // (s_sums is reused by the next pass; after the last, the layout is complete)
     }
-    if (kTiled && threadIdx.x == 0) *tiles_end = tile_carry;
-    __syncthreads();
 }
 
 // ---- small rounds: the book ----------------------------------------------------------------------------------
@@ -102,7 +122,9 @@ __device__ void local_book(const EPParams& ep, const DispatchArgs& a, const Smal
     const int N = a.num_tokens, lane = threadIdx.x % kWarp;
     const bool report = blockIdx.x == 0;
     const int words = (N + 31) / 32;
-    const int W = K <= 1 ? 1 : 1 << (32 - __clz(K - 1)), per_warp = kWarp / W, seg = lane / W, k = lane % W;
+    // (W's log: shifts and masks instead of divisions on the layout's critical path)
+    const int lw = K <= 1 ? 0 : 32 - __clz(K - 1), W = 1 << lw, per_warp = kWarp >> lw, seg = lane >> lw;
+    const int k = lane & (W - 1);
     const int per_pass = static_cast<int>(blockDim.x / kWarp) * per_warp;  // tokens per pass of the block
     const int t_first = static_cast<int>(threadIdx.x / kWarp) * per_warp + seg;
     constexpr int kLoads = 4;  // passes whose ids are loaded together
@@ -132,10 +154,12 @@ __device__ void local_book(const EPParams& ep, const DispatchArgs& a, const Smal
         }
     }
     __syncthreads();
-    for (int c = threadIdx.x; c < N * K; c += blockDim.x) {
+    for (int i = threadIdx.x; i < N << lw; i += blockDim.x) {  // (token, slot) pairs by W-lane segments: no c / K
+        const int t = i >> lw, c = t * K + (i & (W - 1));
+        if ((i & (W - 1)) >= K) continue;
         const int e = b.expert[c];
         if (e == kNoExpert) continue;
-        b.pos[c] = static_cast<uint16_t>(mask_tokens_before(b.bits + e * words, c / K));
+        b.pos[c] = static_cast<uint16_t>(mask_tokens_before(b.bits + e * words, t));
     }
 }
 
@@ -151,7 +175,9 @@ __device__ void local_count(const EPParams& ep, const DispatchArgs& a, int* hist
     const int K = static_cast<int>(ep.top_k), N = a.num_tokens, L = static_cast<int>(ep.n_local);
     const int first = static_cast<int>(ep.rank) * L, lane = threadIdx.x % kWarp;
     int* pos = local_choice_pos(ep);
-    const int W = K <= 1 ? 1 : 1 << (32 - __clz(K - 1)), per_warp = kWarp / W, seg = lane / W, k = lane % W;
+    // (W's log: shifts and masks instead of divisions on the layout's critical path)
+    const int lw = K <= 1 ? 0 : 32 - __clz(K - 1), W = 1 << lw, per_warp = kWarp >> lw, seg = lane >> lw;
+    const int k = lane & (W - 1);
     const int per_pass = static_cast<int>(blockDim.x / kWarp) * per_warp;  // tokens per pass of the block
     const int len = (N + static_cast<int>(gridDim.x) - 1) / static_cast<int>(gridDim.x);
     const int t_lo = min(N, static_cast<int>(blockIdx.x) * len), t_hi = min(N, t_lo + len);
@@ -202,12 +228,12 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
     constexpr bool kTiled = FMT == kFmtNvfp4 || FMT == kFmtMxfp4;
     using S = typename FormatTraits<FMT>::Scale;
 
-    // (a small round: thread 0 reads the failed flag now, the block checks it once the layout is built)
-    const bool failed = kBook && read_failed(ep);
+    // (a small round: thread 0 loads the failed flag now, the block checks it once the layout is built)
+    const int failed = kBook ? read_failed(ep) : 0;
     // Items (token, chunk of whole 256-value spans), one warp each, consecutive items on different blocks (step 3);
     // their plan (a small round's once its ids are on their way: `plan`).
     const int n_spans = (H + kWarpSpan - 1) / kWarpSpan;
-    const long long grid_warps = static_cast<long long>(gridDim.x) * n_warps;
+    const int grid_warps = static_cast<int>(gridDim.x) * n_warps;
     // A small round's padding goes to the warps of a block that have no item when at least kMinPadWarps have none
     // (step 2); a quantized small round whose items would leave fewer takes chunks of whole encode steps, as few as
     // make room. (N = 128: 4 spans a chunk, 4-5% faster; at N = 1 and 32, which have the room, 4-10% slower.)
@@ -217,12 +243,11 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
     int spans_per_chunk = 1, n_chunks = 1, n_items = 0;
     auto whole_steps = [](int spans) { return (spans + kEncodeSteps - 1) / kEncodeSteps * kEncodeSteps; };
     auto plan = [&]() {
-        spans_per_chunk = static_cast<int>(max(chunk_units(N, n_spans, 1, grid_warps),
-                                               static_cast<long long>((n_spans + kMaxChunks - 1) / kMaxChunks)));
+        spans_per_chunk = max(chunk_units<int>(N, n_spans, 1, grid_warps), (n_spans + kMaxChunks - 1) / kMaxChunks);
         if (kBook && FMT != kFmtBf16) {
             // at most room / N chunks a token leave kMinPadWarps warps of every block free
-            const long long room = grid_warps - static_cast<long long>(kMinPadWarps) * gridDim.x;
-            const int max_chunks = N > 0 ? static_cast<int>(min(room / N, static_cast<long long>(n_spans))) : n_spans;
+            const int room = grid_warps - kMinPadWarps * static_cast<int>(gridDim.x);
+            const int max_chunks = N > 0 ? min(room / N, n_spans) : n_spans;
             if (max_chunks > 0 && (n_spans + spans_per_chunk - 1) / spans_per_chunk > max_chunks) {
                 spans_per_chunk = whole_steps((n_spans + max_chunks - 1) / max_chunks);
             }
@@ -298,7 +323,7 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
         return kBook ? mask_tokens(book.bits + (rank * L + l) * words, words) : s_count[l];
     };
     __shared__ unsigned s_tiles_end;  // (fp4) the scale tiles used
-    note_failed(failed, &s_failed);
+    note_failed(failed == kStatusTimeout, &s_failed);
     local_scan_groups<FMT>(ep, s_shared_n, count_of, s_offsets, s_tiles, &s_tiles_end);
     if (kBook && s_failed) return;  // (nothing stored yet)
     if (blockIdx.x == 0) {
@@ -338,7 +363,7 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
     // the token (and its shared-expert row), with its scales; the chunk 0 item writes the rows' metadata.
     char* tokens = ep.local(ep.off_tokens);
     int* pos_out = local_choice_pos(ep);
-    for (int item = item0; item < n_items; item += static_cast<int>(grid_warps)) {
+    for (int item = item0; item < n_items; item += grid_warps) {
         const bool prepared = kPrepares && item == item0;  // (its weights, first vectors or encode: prepare())
         const int t = item / n_chunks, ch = item % n_chunks;
         const ChunkBytes<FMT> cb(ch, spans_per_chunk, n_chunks, H, pb, sb);
@@ -440,7 +465,7 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
         if (!blocks_barrier(ep, ep.counters() + C_LOCAL_NOTED, static_cast<int>(gridDim.x), K_DISPATCH_SEND, &s_ok))
             return;
         gather_scales<FMT>(ep, a, 0, kTiled ? s_tiles_end : s_offsets[G], warp * static_cast<int>(gridDim.x) +
-                           static_cast<int>(blockIdx.x), static_cast<int>(grid_warps), lane);
+                           static_cast<int>(blockIdx.x), grid_warps, lane);
     }
 }
 

@@ -55,13 +55,17 @@ __device__ __forceinline__ bool has_failed(const EPParams& ep) {
     return *reinterpret_cast<volatile int*>(ep.counters() + C_ERROR) == kStatusTimeout;
 }
 
-// has_failed for a kernel that checks late: thread 0 reads the flag at entry, without waiting for it (its latency
-// passes under the loads issued after it), and the block checks it after a later barrier (note_failed), before
-// its first global store. Other threads get false.
-__device__ __forceinline__ bool read_failed(const EPParams& ep) {
-    return threadIdx.x == 0 && has_failed(ep);
+// has_failed for a kernel that checks late: thread 0 loads the flag word at entry and compares it only after a
+// later barrier (note_failed), before the block's first global store, so the load's latency passes under the work
+// between. (has_failed's volatile load had its comparison scheduled right after it: thread 0's warp, which every
+// block barrier waits for, stood still for the load.) Other threads get 0.
+__device__ __forceinline__ int read_failed(const EPParams& ep) {
+    int word = 0;
+    if (threadIdx.x == 0) word = __ldcg(ep.counters() + C_ERROR);
+    return word;
 }
-// Call before a barrier with read_failed's value (all threads); after the barrier *s_failed is the block's answer.
+// Call before a barrier with whether thread 0 found the rank failed (all threads; read_failed's word compared with
+// kStatusTimeout, or has_failed); after the barrier *s_failed is the block's answer.
 __device__ __forceinline__ void note_failed(bool failed, int* s_failed) {
     if (threadIdx.x == 0) *s_failed = failed;
 }

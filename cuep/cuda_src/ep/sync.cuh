@@ -10,15 +10,23 @@ namespace cuep {
 // Split each of `items` rows of `unit_count` units into chunks so the grid's warps all get work: one chunk per
 // item when items outnumber warps (prefill), up to one unit per lane-step when they are few (decode).
 // Returns the chunk size in units, a multiple of `align_units`.
-// `warps`: the warps sharing the items (default: the whole grid).
-__device__ __forceinline__ long long chunk_units(long long items, long long unit_count, long long align_units,
-                                                 long long warps = 0) {
-    if (warps <= 0) warps = static_cast<long long>(gridDim.x) * (blockDim.x / kWarp);
-    long long n = items > 0 ? warps / items : 1;
+// `warps`: the warps sharing the items (default: the whole grid). I: the integer type of the arithmetic (named,
+// not deduced: chunk_units<int> where every value fits, as in the one-rank kernels, whose decode layout waits on
+// these divisions; 64-bit ones take twice the instructions).
+template <class I>
+struct NotDeduced {
+    using type = I;
+};
+template <typename I = long long>
+__device__ __forceinline__ I chunk_units(typename NotDeduced<I>::type items, typename NotDeduced<I>::type unit_count,
+                                         typename NotDeduced<I>::type align_units,
+                                         typename NotDeduced<I>::type warps = 0) {
+    if (warps <= 0) warps = static_cast<I>(gridDim.x) * static_cast<I>(blockDim.x / kWarp);
+    I n = items > 0 ? warps / items : 1;
     n = n < 1 ? 1 : n;
-    const long long max_n = (unit_count + align_units - 1) / align_units;
+    const I max_n = (unit_count + align_units - 1) / align_units;
     n = n > max_n ? max_n : n;
-    const long long per = (unit_count + n - 1) / n;
+    const I per = (unit_count + n - 1) / n;
     return (per + align_units - 1) / align_units * align_units;
 }
 
