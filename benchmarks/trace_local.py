@@ -1,0 +1,194 @@
+#!/usr/bin/env python3
+"""Where the microseconds of a one-rank decode dispatch go, inside its one launch (issue 24, item 1).
+
+    PYTHONPATH=. python3 benchmarks/trace_local.py                        # bf16 nvfp4, N = 1 32 128
+    PYTHONPATH=. python3 benchmarks/trace_local.py --formats fp8 --tokens 16 --out out/trace
+    python3 benchmarks/trace_local.py --dry-run                           # build and list the points (no GPU)
+
+A one-rank round is one launch, so ``python -m cuep.bench --floor --phases`` cannot split it. This script copies
+the ``cuep`` package to a work directory and adds trace points to the copy's small-round path
+(``cuda_src/dispatch/local.cuh``; the product is never changed): at each point thread 0 of every block writes
+``%globaltimer`` to a device array. The copy then runs in a child process (its own kernel cache entries, since the
+source differs), H = 7168, K = 8, E = 256, one real rank, the small round (N <= small_batch_tokens): per format and
+N, after untimed warm-up rounds, ``--reps`` dispatches each after a combine (as in a model), every point's time
+after its block's entry, the median over blocks (and the slowest block), median over the reps. A point is thread
+0's view, except where it follows a barrier (then it is the block's). The points themselves cost a little (two
+stores each); the untraced launch around them (entry and drain) is the rest of ``cuep.bench --floor``'s figure.
+
+Each point is placed by an anchor, a line of the source it goes before or after; when the source changes and an
+anchor no longer matches exactly once, the build stops and names it (tests/test_trace_local_cpu.py checks them
+against the current tree on every CI run, and compiles the traced copy). Output: a table per (format, N), and
+``trace_local.json`` under ``--out``. Nothing is asserted.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACED_FILE = "cuda_src/dispatch/local.cuh"
+MAX_BLOCKS = 1024
+SLOTS = 16  # trace words per block
+H, K, E = 7168, 8, 256
+
+# (point, what it marks, anchor, where): the point's code goes "before" or "after" the anchor (which must occur
+# exactly once in TRACED_FILE). In the order a block passes them.
+POINTS = [
+    ("entry", "the block starts the placement", "    const int failed = kBook ? read_failed(ep) : 0;\n", "before"),
+    ("ids issued", "the book's first top-k loads issued", "    load(0);\n    meanwhile();\n", "inside"),
+    ("prepared", "the warp's first item planned, its loads issued", "    meanwhile();\n", "after"),
+    ("masks cleared", "barrier: expert masks zeroed", "    __syncthreads();\n    for (int t0 = 0; t0 < N; t0 += kLoads * per_pass) {\n", "inside"),
+    ("choices booked", "barrier: every choice in its expert's mask", "    __syncthreads();\n    for (int i = threadIdx.x; i < N << lw;", "inside"),
+    ("book done", "each choice's position in its group", "        local_book(ep, a, book, prepare);\n", "after"),
+    ("groups scanned", "barrier: the groups' first rows (and scale tiles)", "    local_scan_groups<FMT>(ep, s_shared_n, count_of, s_offsets, s_tiles, &s_tiles_end);\n", "after"),
+    ("items placed", "barrier: the block's rows, scales and metadata stored", "    // 4. (deferred) The scales in whole lines", "sync-before"),
+]
+
+HEADER = f"""
+#ifndef CUEP_TRACE_LOCAL
+#define CUEP_TRACE_LOCAL
+extern "C" {{ __device__ unsigned long long cuep_trace_local[{MAX_BLOCKS} * {SLOTS}]; }}
+#define CUEP_TP(i) do {{ if (threadIdx.x == 0 && blockIdx.x < {MAX_BLOCKS}) {{ unsigned long long g_; \\
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g_)); cuep_trace_local[blockIdx.x * {SLOTS} + (i)] = g_; }} }} while (0)
+#endif
+"""
+
+
+def traced_source(src: str) -> str:
+    """``src`` (TRACED_FILE's text) with the trace header and every point; ValueError naming a missing anchor."""
+    out = src
+    for i, (name, _, anchor, where) in enumerate(POINTS):
+        n = out.count(anchor)
+        if n != 1:
+            raise ValueError(f"trace point {name!r}: its anchor occurs {n} times in {TRACED_FILE} (want 1): "
+                             f"{anchor!r}; update POINTS in benchmarks/trace_local.py to the source")
+        tp = f"CUEP_TP({i});"
+        if where == "before":
+            code = f"    if (kBook) {tp}\n" + anchor if name == "entry" else f"    {tp}\n" + anchor
+        elif where == "after":
+            code = anchor + f"    {tp}\n" if not anchor.startswith("        ") else anchor + f"        {tp}\n"
+        elif where == "inside":  # after the anchor's first line
+            first, rest = anchor.split("\n", 1)
+            code = first + f"\n    {tp}\n" + rest
+        else:  # sync-before: a barrier, then the point (the block's last warp is done)
+            code = f"    __syncthreads();\n    {tp}\n" + anchor
+        out = out.replace(anchor, code)
+    marker = "#pragma once\n"
+    if out.count(marker) != 1:
+        raise ValueError(f"{TRACED_FILE} has no single '#pragma once' to put the trace header after")
+    return out.replace(marker, marker + HEADER)
+
+
+def build(work: Path) -> Path:
+    """Copy ROOT/cuep to ``work``/cuep with the points added; returns the copy's package directory."""
+    dst = work / "cuep"
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(ROOT / "cuep", dst, ignore=shutil.ignore_patterns("__pycache__"))
+    path = dst / TRACED_FILE
+    path.write_text(traced_source(path.read_text()))
+    return dst
+
+
+def child(args) -> int:
+    """Runs with the traced copy first on sys.path: time, trace, print, write JSON."""
+    import numpy as np
+    import cupy
+    import ml_dtypes
+    import cuep
+    from cuep import _kernels
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    rng = np.random.default_rng(args.seed)
+    names = [p[0] for p in POINTS]
+    results = {}
+    for fmt in args.formats:
+        cfg = cuep.EPConfig(hidden=H, top_k=K, n_experts=E, max_tokens_per_rank=max(args.tokens),
+                            n_gpus_per_node=1, dispatch_format=fmt)
+        buf = cuep.Buffer(cuep.init([args.device]), cfg)
+        eo = cupy.asarray(rng.standard_normal((cfg.capacity, H), np.float32).astype(bf16))
+        print(f"[trace] {fmt}: compiling / loading the traced kernels", file=sys.stderr, flush=True)
+        trace = cupy.ndarray((MAX_BLOCKS * SLOTS,), cupy.uint64,
+                             memptr=_kernels.module("dispatch.cu").get_global("cuep_trace_local"))
+        for n in args.tokens:
+            if n > cfg.small_batch_tokens:
+                print(f"[trace] skip N={n}: above small_batch_tokens={cfg.small_batch_tokens} (not the traced path)",
+                      file=sys.stderr)
+                continue
+            x = cupy.asarray(rng.standard_normal((n, H), np.float32).astype(bf16))
+            ids = cupy.asarray(np.argsort(rng.random((n, E)), axis=1)[:, :K].astype(np.int32))
+            w = cupy.asarray(rng.random((n, K), np.float32))
+            for _ in range(args.warmup):
+                cuep.combine(buf, eo, cuep.dispatch(buf, x, ids, w))
+            cupy.cuda.Device().synchronize()
+            per_rep = []
+            for _ in range(args.reps):
+                d = cuep.dispatch(buf, x, ids, w)
+                trace.fill(0)
+                cuep.combine(buf, eo, d)
+                cuep.dispatch(buf, x, ids, w)
+                cupy.cuda.Device().synchronize()
+                a = trace.get().reshape(MAX_BLOCKS, SLOTS)[:buf.num_sms, :len(POINTS)].astype(np.int64)
+                rel = (a - a[:, :1]) / 1e3  # us after the block's entry
+                ok = a[:, 0] != 0
+                per_rep.append([(float(np.median(rel[ok & (a[:, i] != 0), i])), float(rel[ok & (a[:, i] != 0), i].max()))
+                                if (ok & (a[:, i] != 0)).any() else (float("nan"), float("nan"))
+                                for i in range(len(POINTS))])
+            buf.check()
+            med = [statistics.median(r[i][0] for r in per_rep) for i in range(len(POINTS))]
+            slow = [statistics.median(r[i][1] for r in per_rep) for i in range(len(POINTS))]
+            results[f"{fmt} N={n}"] = {"format": fmt, "N": n, "points": names, "median_block_us": med,
+                                       "slowest_block_us": slow}
+            print(f"\n{fmt}, N = {n}: us after the block's entry (median block / slowest block, median of "
+                  f"{args.reps}; step = from the point before, median block)")
+            print(f"  {'point':16s} {'median':>7s} {'slowest':>8s} {'step':>6s}  marks")
+            for i, (name, what, _, _) in enumerate(POINTS):
+                step = med[i] - med[i - 1] if i else 0.0
+                print(f"  {name:16s} {med[i]:7.2f} {slow[i]:8.2f} {step:6.2f}  {what}")
+        buf.close()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"device": cupy.cuda.runtime.getDeviceProperties(args.device)["name"].decode(), "H": H, "K": K, "E": E,
+            "reps": args.reps}
+    (out / "trace_local.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    print(f"\nwrote {out / 'trace_local.json'}")
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--formats", nargs="+", default=["bf16", "nvfp4"], choices=["bf16", "fp8", "nvfp4", "mxfp4"])
+    p.add_argument("--tokens", nargs="+", type=int, default=[1, 32, 128])
+    p.add_argument("--reps", type=int, default=25, help="traced dispatches per (format, N) (default 25)")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", type=int, default=0)
+    p.add_argument("--out", default=os.environ.get("OUT", "out/trace_local"))
+    p.add_argument("--work-dir", default=None, help="where the traced copy goes (default <tmp>/cuep_trace_local)")
+    p.add_argument("--dry-run", action="store_true", help="build the traced copy and list the points; no GPU")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        return child(args)
+    work = Path(args.work_dir or Path(tempfile.gettempdir()) / "cuep_trace_local")
+    work.mkdir(parents=True, exist_ok=True)
+    pkg = build(work)
+    print(f"[trace] traced copy: {pkg} ({len(POINTS)} points in {TRACED_FILE})", file=sys.stderr)
+    if args.dry_run:
+        for i, (name, what, _, where) in enumerate(POINTS):
+            print(f"  {i}  {name:16s} {where:11s} {what}")
+        return 0
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(work), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", *(argv if argv is not None else sys.argv[1:])]
+    return subprocess.run(cmd, env=env, timeout=1800).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""``benchmarks/trace_local.py`` without a GPU: its trace points still find their anchors in the current one-rank
+dispatch source, a missing anchor is named, and the traced copy compiles for sm_90 like the runtime's kernels."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from cuep import _kernels
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def trace_local():
+    spec = importlib.util.spec_from_file_location("trace_local", ROOT / "benchmarks" / "trace_local.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_every_point_lands_once(trace_local):
+    src = (ROOT / "cuep" / trace_local.TRACED_FILE).read_text()
+    out = trace_local.traced_source(src)
+    for i in range(len(trace_local.POINTS)):
+        assert out.count(f"CUEP_TP({i});") == 1, trace_local.POINTS[i][0]
+    assert out.count("CUEP_TP(") == len(trace_local.POINTS) + 1  # the points and the macro's definition
+    assert out.count("cuep_trace_local[") == 2  # declared once, written by the macro
+    # the product's source is not touched
+    assert "CUEP_TP" not in (ROOT / "cuep" / trace_local.TRACED_FILE).read_text()
+
+
+def test_a_missing_anchor_is_named(trace_local):
+    src = (ROOT / "cuep" / trace_local.TRACED_FILE).read_text()
+    name, _, anchor, _ = trace_local.POINTS[3]
+    with pytest.raises(ValueError, match=f"trace point '{name}': its anchor occurs 0 times"):
+        trace_local.traced_source(src.replace(anchor, anchor.replace("__syncthreads", "__syncwarp")))
+
+
+def test_dry_run_builds_the_copy(trace_local, tmp_path, capsys):
+    assert trace_local.main(["--dry-run", "--work-dir", str(tmp_path)]) == 0
+    traced = (tmp_path / "cuep" / trace_local.TRACED_FILE).read_text()
+    assert traced.count("CUEP_TP(") == len(trace_local.POINTS) + 1
+    listed = capsys.readouterr().out
+    assert all(p[0] in listed for p in trace_local.POINTS)
+
+
+def test_traced_copy_compiles_for_sm90(trace_local, tmp_path):
+    nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
+    if nvcc is None:
+        if os.environ.get("CI"):
+            pytest.fail("nvcc not found: CI must compile the traced copy (install the CUDA 13 toolkit)")
+        pytest.skip("nvcc not found")
+    pkg = trace_local.build(tmp_path)
+    src_dir = str(_kernels.SRC_DIR)
+    cmd = [a.replace(src_dir, str(pkg / "cuda_src")) for a in _kernels.nvcc_command("dispatch.cu",
+                                                                                     out=str(tmp_path / "k.cubin"))]
+    cmd[0] = nvcc
+    assert str(pkg / "cuda_src" / "dispatch.cu") in cmd
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
