@@ -110,8 +110,9 @@ __device__ void local_scan_groups(const EPParams& ep, int shared_n, Count count,
 // A small round's book for one rank, the same in every block (positions come from per-expert token masks, not from
 // atomics, so that every block agrees), in the SmallBook's shared memory (its expert, pos and bits arrays):
 //   0. the masks cleared while the ids load (and `meanwhile()`, work that needs no book), a barrier;
-//   1. a W-lane segment per token (W a power of two >= K, lane k = choice k): validity with shuffles (block 0 reports
-//      bad choices), the choice's expert (kNoExpert if not valid), its token's bit set in its expert's mask; a barrier;
+//   1. a W-lane segment per token (W a power of two >= K, lane k = choice k): its token's bit set in its expert's
+//      mask, the validity test with shuffles only in a warp with a repeat or a bad id (block 0 reports bad choices),
+//      the choice's expert (kNoExpert if not valid); a barrier;
 //   2. each valid choice's position: the earlier tokens in its expert's mask. The group scan that follows reads the
 //      counts from the masks (mask_tokens); its barriers order these positions before the placement reads them.
 // (The protocol's small_bookkeeping also fills per-rank token masks and message counts a one-rank round does not use,
@@ -119,6 +120,7 @@ __device__ void local_scan_groups(const EPParams& ep, int shared_n, Count count,
 template <class Meanwhile>
 __device__ void local_book(const EPParams& ep, const DispatchArgs& a, const SmallBook& b, Meanwhile meanwhile) {
     const int E = static_cast<int>(ep.n_experts), K = static_cast<int>(ep.top_k);
+    const int L = static_cast<int>(ep.n_local), rank = static_cast<int>(ep.rank);
     const int N = a.num_tokens, lane = threadIdx.x % kWarp;
     const bool report = blockIdx.x == 0;
     const int words = (N + 31) / 32;
@@ -148,8 +150,16 @@ __device__ void local_book(const EPParams& ep, const DispatchArgs& a, const Smal
             const int t = t0 + u * per_pass + t_first;
             const bool choice = t < N && k < K;
             const int e = ids[u];
-            const bool valid = warp_choice_valid(ep, e, choice, k, K, W, t, report);
-            if (valid) atomicOr(b.bits + e * words + t / 32, 1u << (t % 32));
+            // An in-range choice sets its token's bit in its expert's mask at once; the bit found already set means
+            // another lane of the token chose the same expert. Only a warp holding such a repeat or a bad id takes
+            // the exact test (warp_choice_valid: the first choice wins, errors reported); the bit is the same either
+            // way. (The exact test for every choice, K shuffles each, was 0.1-0.15 us of the layout's critical path.)
+            const bool in_range = choice && e >= 0 && e < E && (!ep.skip_a2a || e / L == rank);
+            const unsigned bit = 1u << (t % 32);
+            const bool seen = in_range && (atomicOr(b.bits + e * words + t / 32, bit) & bit);
+            bool valid = in_range;
+            if (__any_sync(0xffffffffu, (choice && !in_range) || seen))
+                valid = warp_choice_valid(ep, e, choice, k, K, W, t, report);
             if (choice) b.expert[t * K + k] = valid ? static_cast<uint16_t>(e) : kNoExpert;
         }
     }
