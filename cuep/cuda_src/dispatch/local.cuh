@@ -47,8 +47,8 @@ __device__ __forceinline__ uint8_t* local_scale_record(const EPParams& ep, int t
 // threads of the block, a group each per pass, two barriers a pass: a warp scan, each warp's sum to shared memory,
 // then every warp scans those sums itself (its offset and the pass's total) and writes its groups. fp4 scans rows
 // and tiles together (packed: rows low, tiles high; two scans took 0.35 us more of an N = 1 round). (The block scan
-// of common.cuh, three barriers and a fourth to publish the layout, took 1.6-2.8% more of an N = 1 / 32 bf16
-// round, H100, cold.) *tiles_end (fp4): the scale tiles used.
+// of common.cuh, three barriers and a fourth to publish the layout: bf16 N = 1 / 32 rounds 2.1-2.8% longer, nvfp4
+// 0.7-1.2%, H100, cold.) *tiles_end (fp4): the scale tiles used.
 template <bool kWide>
 struct ScanWord {
     using type = unsigned;
