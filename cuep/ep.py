@@ -556,8 +556,7 @@ def _dispatch_single(buf, x, topk_ids, topk_weights, global_scale, phases: int):
     launch already prepared. Returns the :class:`Dispatched`, or None (nothing done) for :func:`_dispatch`, which
     handles every other case and raises with a message."""
     host = _single_host(buf)
-    rounds = buf._rounds if host is not None else None
-    if host is None or rounds["pending"] is not None or type(x) is not _ND \
+    if host is None or buf._rounds["pending"] is not None or type(x) is not _ND \
             or x.ndim != 2 or type(global_scale) is not float \
             or not GLOBAL_SCALE_MIN <= global_scale <= GLOBAL_SCALE_MAX:
         return None
@@ -566,16 +565,31 @@ def _dispatch_single(buf, x, topk_ids, topk_weights, global_scale, phases: int):
             and _rows_ok(topk_ids, n, host.top_k, _I32S, dev, 3)
             and (w is None or _rows_ok(w, n, host.top_k, _F32S, dev, 3))):
         return None
-    route = _route(host, phases, n)
     dt, bf16 = x.dtype, host.x_dtypes[0]
-    launch = host.plans.get((0, phases, "bf16" if dt is bf16 or dt == bf16 else "f32", route))
+    return _dispatch_single_launch(buf, host, phases, "bf16" if dt is bf16 or dt == bf16 else "f32", n, None,
+                                   x.data.ptr, topk_ids.data.ptr, 0 if w is None else w.data.ptr, global_scale,
+                                   topk_ids, w is not None)
+
+
+def _dispatch_single_launch(buf, host, phases: int, src: str, n: int, stream, x_ptr: int, ids_ptr: int, w_ptr: int,
+                            global_scale: float, topk_ids, has_weights: bool):
+    """The one-local-rank dispatch's launch (from ``src`` input, on ``stream``: None is CuPy's current, a handle
+    a torch call's) and the round's bookkeeping; returns the :class:`Dispatched` (torch views when ``stream`` is
+    given), or None when the launch is not prepared or the device is not current (nothing done)."""
+    route = _route(host, phases, n)
+    launch = host.plans.get((0, phases, src, route))
     if launch is None or (not route and host.ipc and "dispatch.cu" not in buf._launched) \
-            or _runtime.getDevice() != dev:
+            or _runtime.getDevice() != host.devices[0]:
         return None
+    rounds = buf._rounds
     seq = rounds["dispatches"] + 1
-    d = Dispatched(*host.results[0], n, topk_ids, w is not None, buf, seq)
-    launch.launch_call(buf.num_sms, x.data.ptr, topk_ids.data.ptr, 0 if w is None else w.data.ptr, n, global_scale,
-                       _with_one_call(phases))
+    ph = _with_one_call(phases)
+    if stream is None:
+        d = Dispatched(*host.results[0], n, topk_ids, has_weights, buf, seq)
+        launch.launch_call(buf.num_sms, x_ptr, ids_ptr, w_ptr, n, global_scale, ph)
+    else:
+        d = Dispatched(*_torch_results(buf, host), n, topk_ids, has_weights, buf, seq, True)
+        launch.launch_call_on(stream, buf.num_sms, x_ptr, ids_ptr, w_ptr, n, global_scale, ph)
     rounds["local"] = route != 0
     rounds["dispatches"] = seq
     if not phases & PHASE_RECV:
@@ -681,21 +695,8 @@ def _dispatch_single_torch(buf, x, topk_ids, topk_weights, global_scale, phases:
     wp = 0 if w is None else tensor_ptr(w, tb, ids_shape, tb.f32s, dev, 3)
     if w is not None and not wp:
         return None
-    route = _route(host, phases, n)
-    launch = host.plans.get((0, phases, "bf16" if x.dtype is tb.bf16 else "f32", route))
-    if launch is None or (not route and host.ipc and "dispatch.cu" not in buf._launched) \
-            or _runtime.getDevice() != dev:
-        return None
-    rounds = buf._rounds
-    seq = rounds["dispatches"] + 1
-    d = Dispatched(*_torch_results(buf, host), n, topk_ids, w is not None, buf, seq, True)
-    launch.launch_call_on(tb.stream(dev), buf.num_sms, xp, ip, wp, n, global_scale,
-                          _with_one_call(phases))
-    rounds["local"] = route != 0
-    rounds["dispatches"] = seq
-    if not phases & PHASE_RECV:
-        rounds["pending"] = ("dispatch", seq)
-    return d
+    return _dispatch_single_launch(buf, host, phases, "bf16" if x.dtype is tb.bf16 else "f32", n, tb.stream(dev),
+                                   xp, ip, wp, global_scale, topk_ids, w is not None)
 
 
 def _dispatch_torch(buf, x, topk_ids, topk_weights=None, *, global_scale=1.0, validate=False):
