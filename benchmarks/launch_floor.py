@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     threads, smem = ep._dispatch_launch(buf, staged=False)
     prep = ep._prepared(buf, 0, "dispatch.cu:cuep_dispatch_local_bf16_from_bf16", threads, smem)
     call = (x.data.ptr, ids.data.ptr, w.data.ptr)
-    tail = (N, 1.0, 15)
+    tail = (N, 1.0, 15, 0)
 
     def f_pass():
         pass

@@ -300,6 +300,35 @@ def _blocks(buf: Buffer, threads: int) -> int:
     return buf.num_sms
 
 
+# A small one-rank round's chunks (cuda_src/dispatch/local.cuh: dispatch_local's plan), worked out here once per N
+# and passed in DispatchArgs.chunk_plan: the kernel's constants they follow (tests/test_host_path_cpu.py checks them).
+_WARP_SPAN = 256      # kWarpSpan (formats/elements.cuh): values per warp step
+_ENCODE_STEPS = 4     # kEncodeSteps (dispatch.cu): spans per encode step
+_MAX_CHUNKS = 255     # kMaxChunks (dispatch/messages.cuh)
+_MIN_PAD_WARPS = 4    # kMinPadWarps (dispatch/local.cuh): a block's warps left free for padding
+
+
+def _small_round_chunks(n: int, hidden: int, blocks: int, warps: int, quantized: bool) -> int:
+    """How a small one-rank round of ``n`` tokens cuts each token row into items (one warp each) on a grid of
+    ``blocks`` x ``warps`` warps: ``spans | chunks << 16`` (spans of 256 values per chunk, chunks per token).
+
+    Chunks split a token only while warps outnumber tokens (at most kMaxChunks per token); a quantized round whose
+    items would leave fewer than kMinPadWarps warps of a block free for padding takes chunks of whole encode steps,
+    as few as make that room. The kernel takes any plan that covers the row exactly.
+    """
+    n_spans = -(-hidden // _WARP_SPAN)
+    grid_warps = blocks * warps
+    per = max(1, min(grid_warps // n if n > 0 else 1, n_spans))  # chunks a token, from the warps a token has
+    spans = max(-(-n_spans // per), -(-n_spans // _MAX_CHUNKS))
+    if quantized:
+        room = grid_warps - _MIN_PAD_WARPS * blocks
+        max_chunks = min(room // n, n_spans) if n > 0 else n_spans
+        if max_chunks > 0 and -(-n_spans // spans) > max_chunks:
+            spans = -(-(-(-n_spans // max_chunks)) // _ENCODE_STEPS) * _ENCODE_STEPS
+    chunks = -(-n_spans // spans)
+    return spans | chunks << 16 if spans < 1 << 16 and chunks < 1 << 15 else 0
+
+
 _COMBINE_RING = 2                # kCombineRing in cuda_src/combine.cu (stages of the bf16 partial-sum load ring)
 _COMBINE_PIECE_BYTES = 4 * 2 * 32 * 16  # kCombinePieceBytes: 4 rows x 64 vectors of 16 bytes
 #: Dynamic shared memory of combine's bf16 load ring (kCombineRingBytes: every bf16 partial-sum send needs it).
@@ -319,7 +348,7 @@ class _Host:
     prepared launches (:class:`cuep._kernels.PreparedLaunch`) per (rank, kernel, shared memory)."""
 
     __slots__ = ("names", "orders", "launches", "hidden", "top_k", "max_tokens", "capacity", "fmt", "cdt",
-                 "combine_suffix", "where", "views", "one_rank", "small",
+                 "combine_suffix", "where", "views", "one_rank", "small", "chunks",
                  "offsets_smem", "results", "plans", "combine_names", "devices", "x_dtypes", "cdts", "ipc",
                  "recv_name", "single", "status", "torch_results", "torch_views")
 
@@ -354,6 +383,7 @@ class _Host:
         self.results = [(r.tokens, r.scales, r.row_offsets, r.expert_ids, r.src_info, r.scales_offsets, r.rank)
                         for r in buf._ranks]
         self.plans: dict = {}
+        self.chunks: dict = {}  # a small one-rank round's chunk plan per N (_small_round_chunks), per input dtype
         self.torch_results = None  # (the torch short path) torch views of results[0], and of combine's views
         self.torch_views: dict = {}
         self.combine_names = {local: f"combine.cu:cuep_combine_{'local_' if local else ''}{self.combine_suffix}"
@@ -419,6 +449,9 @@ def _dispatch_plan(buf: Buffer, host: _Host, i: int, ph: int, src: str, route: i
         kind = ("", "local_", "local_large_")[route]
         launch = host.plans[key] = _prepared(buf, i, f"dispatch.cu:cuep_dispatch_{kind}{host.fmt}_from_{src}",
                                              threads, smem)
+        if route == 1 and src not in host.chunks:
+            host.chunks[src] = [_small_round_chunks(n, host.hidden, buf.num_sms, threads // 32, host.fmt != "bf16")
+                                for n in range(host.small + 1)]
     return launch
 
 
@@ -584,12 +617,13 @@ def _dispatch_single_launch(buf, host, phases: int, src: str, n: int, stream, x_
     rounds = buf._rounds
     seq = rounds["dispatches"] + 1
     ph = _with_one_call(phases)
+    chunks = host.chunks[src][n] if route == 1 else 0
     if stream is None:
         d = Dispatched(*host.results[0], n, topk_ids, has_weights, buf, seq)
-        launch.launch_call(buf.num_sms, x_ptr, ids_ptr, w_ptr, n, global_scale, ph)
+        launch.launch_call(buf.num_sms, x_ptr, ids_ptr, w_ptr, n, global_scale, ph, chunks)
     else:
         d = Dispatched(*_torch_results(buf, host), n, topk_ids, has_weights, buf, seq, True)
-        launch.launch_call_on(stream, buf.num_sms, x_ptr, ids_ptr, w_ptr, n, global_scale, ph)
+        launch.launch_call_on(stream, buf.num_sms, x_ptr, ids_ptr, w_ptr, n, global_scale, ph, chunks)
     rounds["local"] = route != 0
     rounds["dispatches"] = seq
     if not phases & PHASE_RECV:
@@ -643,7 +677,7 @@ def _dispatch(buf: Buffer, x, topk_ids, topk_weights, global_scale: float, phase
                 if host.ipc:
                     _before_launch(buf, "dispatch.cu")  # after the plan: the first one compiles
             launch.launch_call(buf.num_sms, x.data.ptr, ids[i].data.ptr, 0 if w is None else w.data.ptr, num,
-                               global_scale, ph | local_x)
+                               global_scale, ph | local_x, host.chunks[src][num] if route == 1 else 0)
     finally:
         if dev != home:
             runtime.setDevice(home)
@@ -726,7 +760,7 @@ def _dispatch_wait_torch(pending):
     launch = host.launches.get((0, host.recv_name, smem))
     if launch is None or _runtime.getDevice() != dev:
         return NotImplemented
-    launch.launch_call_on(torch_bindings().stream(dev), buf.num_sms, 0, 0, 0, pending.num_tokens, 1.0, PHASE_RECV)
+    launch.launch_call_on(torch_bindings().stream(dev), buf.num_sms, 0, 0, 0, pending.num_tokens, 1.0, PHASE_RECV, 0)
     buf._rounds["pending"] = None
     return pending
 
@@ -870,7 +904,7 @@ def dispatch_wait(pending):
                                                                                 smem)
             if host.ipc:
                 _before_launch(buf, "dispatch.cu")
-            launch.launch_call(buf.num_sms, 0, 0, 0, ordered[i].num_tokens, 1.0, ph)
+            launch.launch_call(buf.num_sms, 0, 0, 0, ordered[i].num_tokens, 1.0, ph, 0)
     finally:
         if dev != home:
             runtime.setDevice(home)

@@ -33,7 +33,7 @@ _PTR = np.uint64  # device pointers (0 = nullptr)
 #: a prepared launch packs them with one ``struct.pack_into``), then the rank's persistent arrays.
 DISPATCH_ARGS_DTYPE = np.dtype([
     ("x", _PTR), ("topk_ids", _PTR), ("topk_weights", _PTR),
-    ("num_tokens", np.int32), ("global_scale", np.float32), ("phases", np.int32),
+    ("num_tokens", np.int32), ("global_scale", np.float32), ("phases", np.int32), ("chunk_plan", np.int32),
     ("scales_out", _PTR), ("row_offsets", _PTR), ("expert_ids", _PTR), ("scales_offsets", _PTR), ("src_info", _PTR),
     ("row_src", _PTR), ("row_weight", _PTR), ("msg_rows", _PTR), ("msg_token", _PTR), ("msg_j", _PTR),
     ("msg_count", _PTR),
@@ -48,7 +48,7 @@ COMBINE_ARGS_DTYPE = np.dtype([
 ], align=True)
 
 #: The fields of each call struct that change from call to call, in order, at its start.
-CALL_FIELDS = {"dispatch": ("x", "topk_ids", "topk_weights", "num_tokens", "global_scale", "phases"),
+CALL_FIELDS = {"dispatch": ("x", "topk_ids", "topk_weights", "num_tokens", "global_scale", "phases", "chunk_plan"),
                "combine": ("expert_out", "topk_ids", "topk_weights", "residual", "out", "num_tokens", "mode", "phases")}
 
 DISPATCH_PARAMS_DTYPE = np.dtype([("ep", EP_PARAMS_DTYPE), ("call", DISPATCH_ARGS_DTYPE)], align=True)

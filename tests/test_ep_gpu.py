@@ -214,7 +214,7 @@ def rank0_alone(small_batch_tokens, phases, rng):
     fn = ep_mod._kernel("dispatch.cu:cuep_dispatch_bf16_from_bf16", smem)
     ep_mod._launch(fn, buf, threads, smem, params.DISPATCH_PARAMS_DTYPE, r.params, x=params.pointer(gx[0]),
                    topk_ids=params.pointer(gids[0]), topk_weights=0, num_tokens=16, global_scale=1.0, phases=phases,
-                   **ep_mod._dispatch_outputs(r))
+                   chunk_plan=0, **ep_mod._dispatch_outputs(r))
     cupy.cuda.Device(0).synchronize()
     return cfg, buf, gx, gids
 

@@ -551,3 +551,47 @@ def test_torch_ops_leave_every_other_case_to_torch_mode(ops_launches, torch):
                      ((th, T(ro, torch.int32), "nvfp4", True), {}), ((th, ro, "nvfp4"), {})]:
         assert ops._fused_silu_torch(*args, **kw) is NotImplemented, (args, kw)
     assert log == []
+
+
+# ---- a small one-rank round's chunks, worked out on the host (ep._small_round_chunks) ----------------------------
+def test_small_round_chunks_use_the_kernels_constants():
+    import re
+
+    src = _kernels.SRC_DIR
+    text = "".join(p.read_text() for p in sorted(src.rglob("*.cuh"))) + (src / "dispatch.cu").read_text()
+    consts = dict(re.findall(r"constexpr\s+int\s+(k\w+)\s*=\s*(\d+)\s*;", text))
+    assert int(consts["kMaxChunks"]) == ep._MAX_CHUNKS
+    assert int(consts["kMinPadWarps"]) == ep._MIN_PAD_WARPS
+    assert int(consts["kWarp"]) * int(consts["kLaneValues"]) == ep._WARP_SPAN
+    assert int(re.search(r"#define CUEP_DISPATCH_ENCODE_STEPS (\d+)", text).group(1)) == ep._ENCODE_STEPS
+    assert "a.chunk_plan & 0xffff" in (src / "dispatch" / "local.cuh").read_text()  # the kernel's unpacking
+
+
+def test_small_round_chunks_known_cases():
+    """H = 7168 (28 spans of 256 values) on 132 blocks x 16 warps: a chunk a span while the warps last; a quantized
+    N = 128 round takes whole encode steps (4 spans, 7 chunks) to leave 4 warps a block for padding; few warps give
+    whole tokens."""
+    plan = ep._small_round_chunks
+    assert plan(1, 7168, 132, 16, False) == 1 | 28 << 16
+    assert plan(32, 7168, 132, 16, True) == 1 | 28 << 16
+    assert plan(128, 7168, 132, 16, False) == 2 | 14 << 16
+    assert plan(128, 7168, 132, 16, True) == 4 | 7 << 16
+    assert plan(256, 7168, 1, 16, False) == 28 | 1 << 16
+    assert plan(0, 7168, 132, 16, True) == 28 | 1 << 16  # (no tokens: one chunk, as the kernel had it)
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("hidden", [8, 128, 256, 2048, 7168, 7200, 16384, 1 << 20])
+@pytest.mark.parametrize("blocks,warps", [(1, 1), (1, 16), (16, 8), (132, 16), (132, 4)])
+def test_small_round_chunks_cover_each_row_exactly(quantized, hidden, blocks, warps):
+    """Every N of a small round: the chunks cover the row's spans exactly (as the kernel requires; otherwise it
+    falls back), at most kMaxChunks a token, whole encode steps where quantization shortened them."""
+    n_spans = -(-hidden // 256)
+    for n in range(0, 257):
+        packed = ep._small_round_chunks(n, hidden, blocks, warps, quantized)
+        spans, chunks = packed & 0xFFFF, packed >> 16
+        assert 0 < packed < 2**31
+        assert spans >= 1 and chunks >= 1 and (chunks - 1) * spans < n_spans <= chunks * spans, (n, packed)
+        assert chunks <= ep._MAX_CHUNKS
+        if n and chunks > 1:
+            assert chunks <= max(1, blocks * warps // n)  # no more chunks than the token's share of warps

@@ -397,7 +397,8 @@ def _dispatch_phase_launcher(buf):
         with cupy.cuda.Device(r.device):
             ep_mod._launch(fn, buf, threads, smem, params.DISPATCH_PARAMS_DTYPE, r.params, x=params.pointer(x),
                            topk_ids=params.pointer(ids), topk_weights=params.pointer(weights),
-                           num_tokens=int(x.shape[0]), global_scale=1.0, phases=bit | ep_mod.PHASE_LOCAL_X, **outs)
+                           num_tokens=int(x.shape[0]), global_scale=1.0, phases=bit | ep_mod.PHASE_LOCAL_X,
+                           chunk_plan=0, **outs)
 
     return launch
 

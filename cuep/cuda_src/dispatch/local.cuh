@@ -252,18 +252,25 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
     constexpr int kMinPadWarps = 4;
     int spans_per_chunk = 1, n_chunks = 1, n_items = 0;
     auto whole_steps = [](int spans) { return (spans + kEncodeSteps - 1) / kEncodeSteps * kEncodeSteps; };
+    // A small round's chunks come from the host (a.chunk_plan, cuep/ep.py _small_round_chunks: the rule above for
+    // this grid, worked out once per N): its five dependent divisions here held every warp's first loads back, 3-7%
+    // of an N = 1 / 32 round (H100). A plan that does not cover the row exactly (none given) falls back to a span
+    // per chunk (at most kMaxChunks a token): right at any N, only slower.
     auto plan = [&]() {
-        spans_per_chunk = max(chunk_units<int>(N, n_spans, 1, grid_warps), (n_spans + kMaxChunks - 1) / kMaxChunks);
-        if (kBook && FMT != kFmtBf16) {
-            // at most room / N chunks a token leave kMinPadWarps warps of every block free
-            const int room = grid_warps - kMinPadWarps * static_cast<int>(gridDim.x);
-            const int max_chunks = N > 0 ? min(room / N, n_spans) : n_spans;
-            if (max_chunks > 0 && (n_spans + spans_per_chunk - 1) / spans_per_chunk > max_chunks) {
-                spans_per_chunk = whole_steps((n_spans + max_chunks - 1) / max_chunks);
+        if constexpr (kBook) {
+            spans_per_chunk = a.chunk_plan & 0xffff;
+            n_chunks = a.chunk_plan >> 16;
+            if (spans_per_chunk < 1 || n_chunks < 1 || (n_chunks - 1) * spans_per_chunk >= n_spans ||
+                n_chunks * spans_per_chunk < n_spans) {
+                spans_per_chunk = (n_spans + kMaxChunks - 1) / kMaxChunks;
+                n_chunks = (n_spans + spans_per_chunk - 1) / spans_per_chunk;
             }
+        } else {
+            spans_per_chunk = max(chunk_units<int>(N, n_spans, 1, grid_warps),
+                                  (n_spans + kMaxChunks - 1) / kMaxChunks);
+            if (FMT != kFmtBf16) spans_per_chunk = whole_steps(spans_per_chunk);
+            n_chunks = (n_spans + spans_per_chunk - 1) / spans_per_chunk;
         }
-        if (!kBook && FMT != kFmtBf16) spans_per_chunk = whole_steps(spans_per_chunk);
-        n_chunks = (n_spans + spans_per_chunk - 1) / spans_per_chunk;
         n_items = N * n_chunks;  // (fits an int: chunks split a token only while warps outnumber tokens)
     };
     if (!kBook) plan();

@@ -87,6 +87,8 @@ struct DispatchArgs {
     int num_tokens;
     float global_scale;         // nvfp4
     int phases;                 // kPhase* bits
+    int chunk_plan;             // a small one-rank round's chunks, from the host (cuep/ep.py _small_round_chunks):
+                                // spans per chunk | chunks per token << 16; 0 elsewhere
     // the rank's persistent arrays
     void* scales_out;           // fp8: float32 [n_scales, capacity]; fp4: swizzled bytes; bf16: unused
     unsigned* row_offsets;      // [G + 1]
