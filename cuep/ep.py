@@ -329,6 +329,25 @@ def _small_round_chunks(n: int, hidden: int, blocks: int, warps: int, quantized:
     return spans | chunks << 16 if spans < 1 << 16 and chunks < 1 << 15 else 0
 
 
+def _combine_chunks(n: int, hidden: int, blocks: int, warps: int) -> int:
+    """How the one-rank combine (cuda_src/combine/local.cuh) cuts each of ``n`` output rows into items (one warp
+    each) on a grid of ``blocks`` x ``warps`` warps, as chunk_units cuts them: ``vectors | chunks << 16`` (16-byte
+    vectors per chunk, a multiple of 32; chunks per token)."""
+    n_vec = hidden // 8
+    per = max(1, min(blocks * warps // n if n > 0 else 1, -(-n_vec // 32)))
+    vecs = -(-(-(-n_vec // per)) // 32) * 32
+    chunks = -(-n_vec // vecs)
+    return vecs | chunks << 16 if vecs < 1 << 16 and chunks < 1 << 15 else 0
+
+
+def _combine_chunks_of(buf, host, n: int) -> int:
+    """:func:`_combine_chunks` of this buffer's launches (``buf.num_sms`` blocks of _THREADS), kept per N."""
+    c = host.combine_chunks.get(n)
+    if c is None:
+        c = host.combine_chunks[n] = _combine_chunks(n, host.hidden, buf.num_sms, _THREADS // 32)
+    return c
+
+
 _COMBINE_RING = 2                # kCombineRing in cuda_src/combine.cu (stages of the bf16 partial-sum load ring)
 _COMBINE_PIECE_BYTES = 4 * 2 * 32 * 16  # kCombinePieceBytes: 4 rows x 64 vectors of 16 bytes
 #: Dynamic shared memory of combine's bf16 load ring (kCombineRingBytes: every bf16 partial-sum send needs it).
@@ -348,7 +367,7 @@ class _Host:
     prepared launches (:class:`cuep._kernels.PreparedLaunch`) per (rank, kernel, shared memory)."""
 
     __slots__ = ("names", "orders", "launches", "hidden", "top_k", "max_tokens", "capacity", "fmt", "cdt",
-                 "combine_suffix", "where", "views", "one_rank", "small", "chunks",
+                 "combine_suffix", "where", "views", "one_rank", "small", "chunks", "combine_chunks",
                  "offsets_smem", "results", "plans", "combine_names", "devices", "x_dtypes", "cdts", "ipc",
                  "recv_name", "single", "status", "torch_results", "torch_views")
 
@@ -384,6 +403,7 @@ class _Host:
                         for r in buf._ranks]
         self.plans: dict = {}
         self.chunks: dict = {}  # a small one-rank round's chunk plan per N (_small_round_chunks), per input dtype
+        self.combine_chunks: dict = {}  # the one-rank combine's per N (_combine_chunks_of)
         self.torch_results = None  # (the torch short path) torch views of results[0], and of combine's views
         self.torch_views: dict = {}
         self.combine_names = {local: f"combine.cu:cuep_combine_{'local_' if local else ''}{self.combine_suffix}"
@@ -1092,7 +1112,8 @@ def _combine_single_launch(buf, host, phases: int, mode: int, stream, eo_ptr: in
         if launch is None or (host.ipc and "combine.cu" not in buf._launched) \
                 or _runtime.getDevice() != host.devices[0]:
             return False
-        values = (eo_ptr, ids_ptr, w_ptr, rs_ptr, out_ptr, N, mode, _with_one_call(ph))
+        chunks = (host.combine_chunks.get(N) or _combine_chunks_of(buf, host, N)) if local else 0
+        values = (eo_ptr, ids_ptr, w_ptr, rs_ptr, out_ptr, N, mode, _with_one_call(ph), chunks)
         if stream is None:
             launch.launch_call(buf.num_sms, *values)
         else:
@@ -1181,7 +1202,7 @@ def _combine(buf: Buffer, expert_out, dispatched, topk_weights, residual, phases
             w, rs = ws[i], res[i]
             launch.launch_call(buf.num_sms, eos[i].data.ptr, _ptr(d._topk_ids), 0 if w is None else w.data.ptr,
                                0 if rs is None else rs.data.ptr, outs[i].data.ptr, d.num_tokens, mode,
-                               ph | one_call)
+                               ph | one_call, _combine_chunks_of(buf, host, d.num_tokens) if local else 0)
     finally:
         if dev != home:
             runtime.setDevice(home)

@@ -42,14 +42,15 @@ DISPATCH_ARGS_DTYPE = np.dtype([
 #: CombineArgs, ordered as DispatchArgs (the call's fields first).
 COMBINE_ARGS_DTYPE = np.dtype([
     ("expert_out", _PTR), ("topk_ids", _PTR), ("topk_weights", _PTR), ("residual", _PTR), ("out", _PTR),
-    ("num_tokens", np.int32), ("mode", np.int32), ("phases", np.int32),
+    ("num_tokens", np.int32), ("mode", np.int32), ("phases", np.int32), ("chunk_plan", np.int32),
     ("src_info", _PTR), ("row_src", _PTR), ("row_weight", _PTR), ("msg_rows", _PTR), ("msg_token", _PTR),
     ("msg_j", _PTR), ("msg_count", _PTR), ("row_offsets", _PTR),
 ], align=True)
 
 #: The fields of each call struct that change from call to call, in order, at its start.
 CALL_FIELDS = {"dispatch": ("x", "topk_ids", "topk_weights", "num_tokens", "global_scale", "phases", "chunk_plan"),
-               "combine": ("expert_out", "topk_ids", "topk_weights", "residual", "out", "num_tokens", "mode", "phases")}
+               "combine": ("expert_out", "topk_ids", "topk_weights", "residual", "out", "num_tokens", "mode", "phases",
+                           "chunk_plan")}
 
 DISPATCH_PARAMS_DTYPE = np.dtype([("ep", EP_PARAMS_DTYPE), ("call", DISPATCH_ARGS_DTYPE)], align=True)
 COMBINE_PARAMS_DTYPE = np.dtype([("ep", EP_PARAMS_DTYPE), ("call", COMBINE_ARGS_DTYPE)], align=True)

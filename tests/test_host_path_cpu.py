@@ -595,3 +595,21 @@ def test_small_round_chunks_cover_each_row_exactly(quantized, hidden, blocks, wa
         assert chunks <= ep._MAX_CHUNKS
         if n and chunks > 1:
             assert chunks <= max(1, blocks * warps // n)  # no more chunks than the token's share of warps
+
+
+@pytest.mark.parametrize("hidden", [8, 128, 256, 2048, 7168, 7200, 16384])
+@pytest.mark.parametrize("blocks,warps", [(1, 1), (1, 16), (16, 8), (132, 16)])
+def test_combine_chunks_cover_each_row_exactly(hidden, blocks, warps):
+    """The one-rank combine's chunks (ep._combine_chunks): whole warps of 16-byte vectors covering the row exactly,
+    no more chunks a token than its share of warps; H = 7168 on 132 x 16: 896 vectors, a warp's 32 a chunk at N = 1,
+    whole rows from N = 2112."""
+    n_vec = hidden // 8
+    for n in range(0, 4097, 7):
+        packed = ep._combine_chunks(n, hidden, blocks, warps)
+        vecs, chunks = packed & 0xFFFF, packed >> 16
+        assert vecs % 32 == 0 and chunks >= 1 and (chunks - 1) * vecs < n_vec <= chunks * vecs, (n, packed)
+        if n and chunks > 1:
+            assert chunks <= max(1, blocks * warps // n)
+    assert ep._combine_chunks(1, 7168, 132, 16) == 32 | 28 << 16
+    assert ep._combine_chunks(2112, 7168, 132, 16) == 896 | 1 << 16
+    assert "a.chunk_plan & 0xffff" in (_kernels.SRC_DIR / "combine" / "local.cuh").read_text()

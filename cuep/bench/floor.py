@@ -429,7 +429,7 @@ def _combine_phase_launcher(buf):
                            msg_j=p(r.msg_j), msg_count=p(r.msg_count), row_offsets=p(r.row_offsets),
                            topk_ids=p(d._topk_ids), topk_weights=0, residual=0, out=p(r.combined),
                            num_tokens=d.num_tokens, mode=ep_mod.MODE_PARTIAL,
-                           phases=bit | ep_mod.PHASE_LOCAL_X)  # as cuep.combine launches each phase
+                           phases=bit | ep_mod.PHASE_LOCAL_X, chunk_plan=0)  # as cuep.combine launches each phase
 
     return launch
 

@@ -23,9 +23,15 @@ __device__ void combine_local(const EPParams& ep, const CombineArgs& a) {
     TC* out = static_cast<TC*>(a.out);
     const int* pos = local_choice_pos(ep);
     const int L = static_cast<int>(ep.n_local), first = static_cast<int>(ep.rank) * L - (shared ? 1 : 0);
-    // items (token, chunk of 16-byte vectors), one warp each, consecutive items on different blocks
-    const int kChunkVecs = chunk_units<int>(N, n_vec, kWarp);
-    const int n_chunks = (n_vec + kChunkVecs - 1) / kChunkVecs;
+    // items (token, chunk of 16-byte vectors), one warp each, consecutive items on different blocks; the chunks
+    // from the host (a.chunk_plan, cuep/ep.py _combine_chunks, once per N: chunk_units for this grid), as the
+    // one-rank dispatch has them: their divisions here held the first loads back. A plan that does not cover
+    // the row exactly (none given): a token a warp, right at any N, only slower.
+    int chunk_vecs = a.chunk_plan & 0xffff, n_chunks = a.chunk_plan >> 16;
+    if (chunk_vecs < 1 || n_chunks < 1 || (n_chunks - 1) * chunk_vecs >= n_vec || n_chunks * chunk_vecs < n_vec) {
+        chunk_vecs = n_vec;
+        n_chunks = 1;
+    }
     const long long grid_warps = static_cast<long long>(gridDim.x) * (blockDim.x / kWarp);
     // lane k: choice k's position and expert, both loaded at once (neither address depends on the other); the
     // warp's first item's before the barrier below, so that they travel with row_offsets
@@ -49,7 +55,7 @@ __device__ void combine_local(const EPParams& ep, const CombineArgs& a) {
     if (s_failed) return;
     for (; item < n_items; item += static_cast<int>(grid_warps)) {
         const int t = item / n_chunks, ch = item % n_chunks;
-        const int c_begin = ch * kChunkVecs, c_end = min(n_vec, c_begin + kChunkVecs);
+        const int c_begin = ch * chunk_vecs, c_end = min(n_vec, c_begin + chunk_vecs);
         const int row = p_next >= 0 ? static_cast<int>(s_offsets[e_next - first]) + p_next : -1;  // lane k: choice k's
         choice(item + static_cast<int>(grid_warps), p_next, e_next);  // the warp's next item's, in flight meanwhile
         const unsigned valid = __ballot_sync(0xffffffffu, row >= 0);

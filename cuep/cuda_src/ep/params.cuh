@@ -115,6 +115,8 @@ struct CombineArgs {
     int num_tokens;
     int mode;                   // CombineMode
     int phases;                 // kPhase* bits
+    int chunk_plan;             // a one-rank combine's chunks, from the host (cuep/ep.py _combine_chunks): vectors
+                                // per chunk | chunks per token << 16; 0 elsewhere
     const int* src_info;        // [capacity, 2]
     const int* row_src;         // [capacity]
     const float* row_weight;    // [capacity]
