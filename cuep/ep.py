@@ -308,6 +308,14 @@ _MAX_CHUNKS = 255     # kMaxChunks (dispatch/messages.cuh)
 _MIN_PAD_WARPS = 4    # kMinPadWarps (dispatch/local.cuh): a block's warps left free for padding
 
 
+def _chunk_units(items: int, units: int, align: int, warps: int) -> int:
+    """chunk_units (cuda_src/ep/sync.cuh) on the host: the chunk size, in units and a multiple of ``align``, that
+    cuts each of ``items`` rows of ``units`` units so that ``warps`` warps all get work (whole rows when items
+    outnumber warps)."""
+    per = max(1, min(warps // items if items > 0 else 1, -(-units // align)))  # chunks a row
+    return -(-(-(-units // per)) // align) * align
+
+
 def _small_round_chunks(n: int, hidden: int, blocks: int, warps: int, quantized: bool) -> int:
     """How a small one-rank round of ``n`` tokens cuts each token row into items (one warp each) on a grid of
     ``blocks`` x ``warps`` warps: ``spans | chunks << 16`` (spans of 256 values per chunk, chunks per token).
@@ -318,8 +326,7 @@ def _small_round_chunks(n: int, hidden: int, blocks: int, warps: int, quantized:
     """
     n_spans = -(-hidden // _WARP_SPAN)
     grid_warps = blocks * warps
-    per = max(1, min(grid_warps // n if n > 0 else 1, n_spans))  # chunks a token, from the warps a token has
-    spans = max(-(-n_spans // per), -(-n_spans // _MAX_CHUNKS))
+    spans = max(_chunk_units(n, n_spans, 1, grid_warps), -(-n_spans // _MAX_CHUNKS))
     if quantized:
         room = grid_warps - _MIN_PAD_WARPS * blocks
         max_chunks = min(room // n, n_spans) if n > 0 else n_spans
@@ -334,8 +341,7 @@ def _combine_chunks(n: int, hidden: int, blocks: int, warps: int) -> int:
     each) on a grid of ``blocks`` x ``warps`` warps, as chunk_units cuts them: ``vectors | chunks << 16`` (16-byte
     vectors per chunk, a multiple of 32; chunks per token)."""
     n_vec = hidden // 8
-    per = max(1, min(blocks * warps // n if n > 0 else 1, -(-n_vec // 32)))
-    vecs = -(-(-(-n_vec // per)) // 32) * 32
+    vecs = _chunk_units(n, n_vec, 32, blocks * warps)
     chunks = -(-n_vec // vecs)
     return vecs | chunks << 16 if vecs < 1 << 16 and chunks < 1 << 15 else 0
 
