@@ -316,6 +316,13 @@ def _chunk_units(items: int, units: int, align: int, warps: int) -> int:
     return -(-(-(-units // per)) // align) * align
 
 
+def _pack_plan(per: int, units: int) -> int:
+    """A chunk plan as the kernels take it (take_chunk_plan, cuda_src/ep/sync.cuh): ``per | chunks << 16`` for
+    chunks of ``per`` units over a row of ``units``; 0 (the kernels' fallback) when either does not fit its field."""
+    chunks = -(-units // per)
+    return per | chunks << 16 if per < 1 << 16 and chunks < 1 << 15 else 0
+
+
 def _small_round_chunks(n: int, hidden: int, blocks: int, warps: int, quantized: bool) -> int:
     """How a small one-rank round of ``n`` tokens cuts each token row into items (one warp each) on a grid of
     ``blocks`` x ``warps`` warps: ``spans | chunks << 16`` (spans of 256 values per chunk, chunks per token).
@@ -332,8 +339,7 @@ def _small_round_chunks(n: int, hidden: int, blocks: int, warps: int, quantized:
         max_chunks = min(room // n, n_spans) if n > 0 else n_spans
         if max_chunks > 0 and -(-n_spans // spans) > max_chunks:
             spans = -(-(-(-n_spans // max_chunks)) // _ENCODE_STEPS) * _ENCODE_STEPS
-    chunks = -(-n_spans // spans)
-    return spans | chunks << 16 if spans < 1 << 16 and chunks < 1 << 15 else 0
+    return _pack_plan(spans, n_spans)
 
 
 def _combine_chunks(n: int, hidden: int, blocks: int, warps: int) -> int:
@@ -341,9 +347,7 @@ def _combine_chunks(n: int, hidden: int, blocks: int, warps: int) -> int:
     each) on a grid of ``blocks`` x ``warps`` warps, as chunk_units cuts them: ``vectors | chunks << 16`` (16-byte
     vectors per chunk, a multiple of 32; chunks per token)."""
     n_vec = hidden // 8
-    vecs = _chunk_units(n, n_vec, 32, blocks * warps)
-    chunks = -(-n_vec // vecs)
-    return vecs | chunks << 16 if vecs < 1 << 16 and chunks < 1 << 15 else 0
+    return _pack_plan(_chunk_units(n, n_vec, 32, blocks * warps), n_vec)
 
 
 def _combine_chunks_of(buf, host, n: int) -> int:
@@ -1118,7 +1122,7 @@ def _combine_single_launch(buf, host, phases: int, mode: int, stream, eo_ptr: in
         if launch is None or (host.ipc and "combine.cu" not in buf._launched) \
                 or _runtime.getDevice() != host.devices[0]:
             return False
-        chunks = (host.combine_chunks.get(N) or _combine_chunks_of(buf, host, N)) if local else 0
+        chunks = _combine_chunks_of(buf, host, N) if local else 0
         values = (eo_ptr, ids_ptr, w_ptr, rs_ptr, out_ptr, N, mode, _with_one_call(ph), chunks)
         if stream is None:
             launch.launch_call(buf.num_sms, *values)

@@ -564,7 +564,8 @@ def test_small_round_chunks_use_the_kernels_constants():
     assert int(consts["kMinPadWarps"]) == ep._MIN_PAD_WARPS
     assert int(consts["kWarp"]) * int(consts["kLaneValues"]) == ep._WARP_SPAN
     assert int(re.search(r"#define CUEP_DISPATCH_ENCODE_STEPS (\d+)", text).group(1)) == ep._ENCODE_STEPS
-    assert "a.chunk_plan & 0xffff" in (src / "dispatch" / "local.cuh").read_text()  # the kernel's unpacking
+    assert "take_chunk_plan(a.chunk_plan, n_spans," in (src / "dispatch" / "local.cuh").read_text()
+    assert "const int p = plan & 0xffff, c = plan >> 16;" in (src / "ep" / "sync.cuh").read_text()  # unpacking
 
 
 def test_small_round_chunks_known_cases():
@@ -612,4 +613,4 @@ def test_combine_chunks_cover_each_row_exactly(hidden, blocks, warps):
             assert chunks <= max(1, blocks * warps // n)
     assert ep._combine_chunks(1, 7168, 132, 16) == 32 | 28 << 16
     assert ep._combine_chunks(2112, 7168, 132, 16) == 896 | 1 << 16
-    assert "a.chunk_plan & 0xffff" in (_kernels.SRC_DIR / "combine" / "local.cuh").read_text()
+    assert "take_chunk_plan(a.chunk_plan, n_vec," in (_kernels.SRC_DIR / "combine" / "local.cuh").read_text()

@@ -27,11 +27,8 @@ __device__ void combine_local(const EPParams& ep, const CombineArgs& a) {
     // from the host (a.chunk_plan, cuep/ep.py _combine_chunks, once per N: chunk_units for this grid), as the
     // one-rank dispatch has them: their divisions here held the first loads back. A plan that does not cover
     // the row exactly (none given): a token a warp, right at any N, only slower.
-    int chunk_vecs = a.chunk_plan & 0xffff, n_chunks = a.chunk_plan >> 16;
-    if (chunk_vecs < 1 || n_chunks < 1 || (n_chunks - 1) * chunk_vecs >= n_vec || n_chunks * chunk_vecs < n_vec) {
-        chunk_vecs = n_vec;
-        n_chunks = 1;
-    }
+    int chunk_vecs = n_vec, n_chunks = 1;
+    take_chunk_plan(a.chunk_plan, n_vec, &chunk_vecs, &n_chunks);
     const long long grid_warps = static_cast<long long>(gridDim.x) * (blockDim.x / kWarp);
     // lane k: choice k's position and expert, both loaded at once (neither address depends on the other); the
     // warp's first item's before the barrier below, so that they travel with row_offsets

@@ -258,10 +258,7 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
     // per chunk (at most kMaxChunks a token): right at any N, only slower.
     auto plan = [&]() {
         if constexpr (kBook) {
-            spans_per_chunk = a.chunk_plan & 0xffff;
-            n_chunks = a.chunk_plan >> 16;
-            if (spans_per_chunk < 1 || n_chunks < 1 || (n_chunks - 1) * spans_per_chunk >= n_spans ||
-                n_chunks * spans_per_chunk < n_spans) {
+            if (!take_chunk_plan(a.chunk_plan, n_spans, &spans_per_chunk, &n_chunks)) {
                 spans_per_chunk = (n_spans + kMaxChunks - 1) / kMaxChunks;
                 n_chunks = (n_spans + spans_per_chunk - 1) / spans_per_chunk;
             }

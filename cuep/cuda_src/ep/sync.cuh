@@ -29,6 +29,16 @@ __device__ __forceinline__ I chunk_units(typename NotDeduced<I>::type items, typ
     const I per = (unit_count + n - 1) / n;
     return (per + align_units - 1) / align_units * align_units;
 }
+// A chunk plan from the host (`plan`: units per chunk | chunks per row << 16, cuep/ep.py _pack_plan) into *per and
+// *chunks when it covers a row of `units` units exactly (every chunk starts inside the row, the last reaches its
+// end); false otherwise (none given, 0), the caller's fallback then.
+__device__ __forceinline__ bool take_chunk_plan(int plan, int units, int* per, int* chunks) {
+    const int p = plan & 0xffff, c = plan >> 16;
+    if (p < 1 || c < 1 || (c - 1) * p >= units || c * p < units) return false;
+    *per = p;
+    *chunks = c;
+    return true;
+}
 
 // Work items (message, chunk) interleaved over the source ranks: item v is chunk v % n_chunks of message
 // q / n_src of source (q + rot) % n_src, q = v / n_chunks; items past a source's message count are empty (at()
