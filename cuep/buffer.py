@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .config import EPConfig
+from .formats import SCALE_TILE_ROWS
 from .group import EPError, Group  # EPError lives with the group (the lower module), which raises it too
 from .params import ep_params
 
@@ -65,6 +66,7 @@ class _Rank:
     combined_unreduced: object = None
     node: object = None         # cuep.internode.NodeState with n_nodes > 1 (mem is then None)
     err_status: object = None   # memoryview of err_host: its status word read as a Python int (Buffer.check)
+    scale_tile_rows: object = None  # fp4: uint8 [scale tiles], rows of each tile of `scales` that may be nonzero
 
     @property
     def base(self) -> int:
@@ -242,7 +244,9 @@ class Buffer:
             row_src=cupy.full(cfg.capacity, -1, dtype=cupy.int32),
             row_weight=cupy.zeros(cfg.capacity, dtype=cupy.float32),
             msg_rows=cupy.full(2 * S * T * K, -1, dtype=cupy.int32), msg_token=cupy.zeros(S * T, dtype=cupy.int32),
-            msg_j=cupy.zeros(S * T, dtype=cupy.int32), msg_count=cupy.zeros(S, dtype=cupy.int32))
+            msg_j=cupy.zeros(S * T, dtype=cupy.int32), msg_count=cupy.zeros(S, dtype=cupy.int32),
+            scale_tile_rows=cupy.zeros(cfg.swizzled_scale_tiles, dtype=cupy.uint8) if cfg.fmt.swizzled_scales
+            else None)
 
     def _peer_bases(self) -> list[int]:
         """Base address of every rank's symmetric allocation as this process sees it, indexed by global rank and
@@ -285,7 +289,8 @@ class Buffer:
     def reset(self) -> None:
         """Re-arm every rank (counts empty, flags and counters zero, error cleared). Synchronises the devices.
 
-        Call it on every rank after an error, when no round is in flight. With one process per rank it is
+        Call it on every rank after an error, when no round is in flight, and after writing into a dispatch
+        output's fp4 ``scales`` (a round zeroes only the padding rows earlier rounds wrote). With one process per rank it is
         collective: a barrier before (no peer still writes here) and after (no peer writes before every rank is
         re-armed).
         """
@@ -317,6 +322,8 @@ class Buffer:
                 off, size = reg["comb_poll"]  # all ones: "not landed" for the polling receiver
                 if size:
                     rt.memset(r.base + off, 0xFF, size)
+                if r.scale_tile_rows is not None:  # any row of a scale tile may be nonzero: the next rounds zero them
+                    r.scale_tile_rows.fill(SCALE_TILE_ROWS)
                 cupy.cuda.Device().synchronize()
             r.err_host[:] = 0
         self._rounds["pending"] = None  # a half left pending by a failed round is gone with it

@@ -491,7 +491,7 @@ def _dispatch_outputs(r) -> dict:
         ("scales_out", "scales"), ("row_offsets", "row_offsets"), ("expert_ids", "expert_ids"),
         ("scales_offsets", "scales_offsets"), ("src_info", "src_info"), ("row_src", "row_src"),
         ("row_weight", "row_weight"), ("msg_rows", "msg_rows"), ("msg_token", "msg_token"), ("msg_j", "msg_j"),
-        ("msg_count", "msg_count"))}
+        ("msg_count", "msg_count"), ("scale_tile_rows", "scale_tile_rows"))}
 
 
 def _kernel(name: str, smem: int):

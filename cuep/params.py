@@ -36,7 +36,7 @@ DISPATCH_ARGS_DTYPE = np.dtype([
     ("num_tokens", np.int32), ("global_scale", np.float32), ("phases", np.int32), ("chunk_plan", np.int32),
     ("scales_out", _PTR), ("row_offsets", _PTR), ("expert_ids", _PTR), ("scales_offsets", _PTR), ("src_info", _PTR),
     ("row_src", _PTR), ("row_weight", _PTR), ("msg_rows", _PTR), ("msg_token", _PTR), ("msg_j", _PTR),
-    ("msg_count", _PTR),
+    ("msg_count", _PTR), ("scale_tile_rows", _PTR),
 ], align=True)
 
 #: CombineArgs, ordered as DispatchArgs (the call's fields first).

@@ -55,15 +55,20 @@ def to_devices(group, arrays):
     return out
 
 
-def poison_outputs(buf) -> None:
-    """Fill every dispatch output with a pattern the kernels never write, so unwritten elements show up."""
+def poison_outputs(buf, scales: bool = True) -> None:
+    """Fill every dispatch output with a pattern the kernels never write, so unwritten elements show up.
+
+    ``scales=False`` leaves the scales alone: fp4 rounds then zero only the padding rows earlier rounds left (the
+    per-tile bounds, ``scale_tile_rows``), as in a real run, and :func:`check_dispatch` checks those bounds."""
     for r in buf._ranks:
         import cupy
 
         with cupy.cuda.Device(r.device):
             r.tokens.view(np.uint8).fill(0xA5)
-            if r.scales is not None:
+            if r.scales is not None and scales:
                 r.scales.view(np.uint8).fill(0xA5)
+                if r.scale_tile_rows is not None:  # every row of a tile may be nonzero now (as Buffer.reset says)
+                    r.scale_tile_rows.fill(128)
             r.src_info.fill(-7)
             r.row_offsets.fill(0xFFFFFFF)
             r.expert_ids.fill(-7)
@@ -128,8 +133,22 @@ def check_dispatch(buf, got, want, cfg) -> list[np.ndarray]:
             # padding of every used tile is zero: re-swizzling the rows reproduces the GPU's bytes exactly
             re, _ = ref.swizzle_block_scales(got_rows, ro, cfg.fmt.name, cfg.hidden)
             np.testing.assert_array_equal(sw[: re.size], re, err_msg=f"rank {r} scale tile padding")
+            check_scale_tile_bounds(sw, buf._ranks[i].scale_tile_rows.get(), cfg, f"rank {r}")
         perms.append(perm)
     return perms
+
+
+def check_scale_tile_bounds(swizzled: np.ndarray, bounds: np.ndarray, cfg, where: str = "") -> None:
+    """Assert the fp4 scales' per-tile bounds hold over the whole output: every row of tile t from bounds[t] on is
+    zero (a round zeroes only the rows below a tile's bound, so a row past it left nonzero would stay wrong)."""
+    k_tiles = cfg.fmt.scale_k_tiles(cfg.hidden)
+    tiles = swizzled.size // (k_tiles * 512)
+    assert bounds.shape == (tiles,) and (bounds <= 128).all(), f"{where} scale_tile_rows {bounds.shape}"
+    # byte (t, kt, j, q, c) = row q * 32 + j, column kt * 4 + c of tile t
+    rows = swizzled.reshape(tiles, k_tiles, 32, 4, 4).transpose(0, 3, 2, 1, 4).reshape(tiles, 128, k_tiles * 4)
+    past = np.arange(128)[None, :] >= bounds[:, None].astype(np.int64)
+    bad = np.argwhere(rows.any(axis=2) & past)
+    assert not bad.size, f"{where} scale tile rows past their bound are nonzero (tile, row): {bad[:5].tolist()}"
 
 
 def _call(fn, bare: bool, *args, **kw) -> list:
@@ -141,12 +160,13 @@ def _call(fn, bare: bool, *args, **kw) -> list:
 
 
 def run_round(buf, cfg, rng, n_tokens, *, skew=False, weights_at="dispatch", check_unreduced=True, dtype=BF16,
-              global_scale=1.0, async_halves=False, residual=False, bare=False):
+              global_scale=1.0, async_halves=False, residual=False, bare=False, poison_scales=True):
     """One dispatch + combine round on the GPU and in the reference; asserts everything matches.
 
     Inputs and expert outputs of every rank are drawn from ``rng`` (so processes with equally seeded generators
     agree on them); the kernels run and are checked for the ranks ``buf`` drives in this process. ``bare``
-    (a process driving one rank) passes bare arrays instead of one-entry lists.
+    (a process driving one rank) passes bare arrays instead of one-entry lists. ``poison_scales=False`` keeps the
+    scales of the rounds before (:func:`poison_outputs`).
     """
     group = buf.group
     mine = list(group.ranks)  # the global ranks this process drives
@@ -155,7 +175,7 @@ def run_round(buf, cfg, rng, n_tokens, *, skew=False, weights_at="dispatch", che
     want_all = ref.dispatch([np.asarray(x) for x in xs], ids, cfg, global_scale=global_scale)
     want = local(want_all)
     gx, gids, gws = to_devices(group, local(xs)), to_devices(group, local(ids)), to_devices(group, local(ws))
-    poison_outputs(buf)
+    poison_outputs(buf, scales=poison_scales)
     if group.kind == "ipc":  # peers write into this rank's outputs: every rank poisons before any rank sends
         import cupy
 

@@ -76,6 +76,27 @@ def test_larger_local_rounds_gather_scales(fmt, rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("hidden", [1024, 7168], ids=["direct_scales", "gathered_scales"])
+def test_fp4_padding_zeroed_across_rounds(fmt, hidden, rng):
+    # Scales not poisoned between rounds: each round zeroes only the padding rows the rounds before may have left in
+    # its tiles (scale_tile_rows), so rounds of every kind in a row, growing and shrinking, must keep every padding
+    # byte of the used tiles zero (check_dispatch) and every tile's rows past its bound zero (the whole output).
+    # Small rounds, larger ones (7168: scales gathered), the protocol's halves, skewed routing (full tiles), then
+    # scales written by hand and Buffer.reset (every tile's bound back to 128).
+    cfg, buf = make(dispatch_format=fmt, hidden=hidden, n_experts=32, max_tokens_per_rank=600, small_batch_tokens=32,
+                    fused_shared_expert=True)
+    for n, kw in ((600, {}), (1, {}), (32, {}), (5, {}), (300, {"skew": True}), (2, {}), (17, {"async_halves": True}),
+                  (600, {"skew": True}), (0, {}), (48, {}), (1, {})):
+        run_round(buf, cfg, rng, [n], poison_scales=False, **kw)
+    buf._ranks[0].scales.fill(0x5A)  # a caller writing into the scales: reset re-arms the bounds
+    buf.reset()
+    for n in (3, 300, 1):
+        run_round(buf, cfg, rng, [n], poison_scales=False)
+    buf.close()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("n", [5, 40])
 def test_local_combine_halves(n, rng):
     # after a one-rank dispatch (bf16: both N take one, small and larger), combine_async launches nothing and

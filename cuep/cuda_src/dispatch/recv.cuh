@@ -38,31 +38,49 @@ __device__ void pad_group(const EPParams& ep, const DispatchArgs& a, const unsig
             }
         }
     } else if constexpr (FMT == kFmtNvfp4 || FMT == kFmtMxfp4) {
-        const unsigned n = used - begin;
-        const unsigned pad_end = (n + kScaleTileRows - 1) / kScaleTileRows * kScaleTileRows;
-        const int k_tiles = static_cast<int>(ep.k_tiles);
-        uint8_t* out = static_cast<uint8_t*>(a.scales_out);
-        if (defer) {
-            for (unsigned i = tid; i < pad_end - n; i += nthr)
-                scale_rows(ep)[static_cast<long long>(s_tiles[g]) * kScaleTileRows + n + i] = kPadScales;
-        } else if (pad_end > n) {
-            // The group's last tile, rows n % 128 .. 127, block by block, consecutive threads on consecutive
-            // 16-byte quads: quad j of a (tile, kt) 512-byte block holds rows j, j + 32, j + 64, j + 96 (word q:
-            // row j + 32 q). A quad of padding rows only is one store; otherwise its padding words go one by one
-            // (the message warps store the real rows' words meanwhile). (A word per (row, kt) in row order went
-            // 512 bytes apart: 1.7 M scattered stores, most of a 2 x H200 N = 128 nvfp4 dispatch's 80 us.)
-            uint4* tile = reinterpret_cast<uint4*>(
-                out + (static_cast<long long>(s_tiles[g]) + n / kScaleTileRows) * k_tiles * kScaleTileBytes);
-            const int first = static_cast<int>(n % kScaleTileRows), quads = kScaleTileBytes / 16;
-            for (int i = tid; i < k_tiles * quads; i += nthr) {
-                const int j = i % quads;
-                if (j >= first) {
-                    tile[i] = make_uint4(0u, 0u, 0u, 0u);  // (whole sectors, most with the next quad: no hint)
-                } else {
+        // Only the rows a tile may still hold from earlier rounds are zeroed: a.scale_tile_rows[t] bounds the rows
+        // of tile t that may be nonzero (the rest are zero), so the group's last tile needs rows m .. that bound
+        // (m: the group's rows in it), and the tile's bound becomes m (its full tiles': 128). (Zeroing every
+        // padding row, 124 of 128 at decode, was most of an N = 128 nvfp4 round's stores: 14 MB at H = 7168.)
+        const unsigned n = used - begin, tiles = (n + kScaleTileRows - 1) / kScaleTileRows;
+        if (tiles == 0) return;
+        const unsigned last = s_tiles[g] + tiles - 1, m = n - (tiles - 1) * kScaleTileRows;
+        uint8_t* bound = a.scale_tile_rows;
+        for (unsigned i = tid; i + 1 < tiles; i += nthr) bound[s_tiles[g] + i] = kScaleTileRows;
+        if (defer) {  // gather_scales writes the whole tile, its padding rows zero
+            for (unsigned i = tid; i < kScaleTileRows - m; i += nthr)
+                scale_rows(ep)[static_cast<long long>(last) * kScaleTileRows + m + i] = kPadScales;
+            if (tid == 0) bound[last] = static_cast<uint8_t>(m);
+            return;
+        }
+        const unsigned stale = bound[last];
+        // every padding thread has read the bound before it is lowered (named barrier 1: the padding threads only)
+        asm volatile("bar.sync 1, %0;" ::"r"(nthr) : "memory");
+        if (tid == 0 && stale != m) bound[last] = static_cast<uint8_t>(m);
+        if (stale <= m) return;
+        // Rows m .. stale - 1 of each (tile, kt) 512-byte block: quad j holds rows j, j + 32, j + 64, j + 96 (word
+        // q: row j + 32 q). Consecutive threads on the quads those rows touch (at most 32 a block); a quad of
+        // padding rows only is one store, else its padding words go one by one (the item warps store the real
+        // rows' words meanwhile).
+        const int k_tiles = static_cast<int>(ep.k_tiles), quads = kScaleTileBytes / 16;
+        const int span = static_cast<int>(min(stale - m, static_cast<unsigned>(quads)));
+        uint4* tile = reinterpret_cast<uint4*>(static_cast<uint8_t*>(a.scales_out) +
+                                               static_cast<long long>(last) * k_tiles * kScaleTileBytes);
+        for (int i = tid; i < k_tiles * span; i += nthr) {
+            const int kt = i / span, j = static_cast<int>((m + i % span) % quads);
+            unsigned words = 0;
 #pragma unroll
-                    for (int q = 1; q < 4; ++q)
-                        if (j + 32 * q >= first) store_u32_evict_last(reinterpret_cast<uint32_t*>(tile + i) + q, 0u);
-                }
+            for (int q = 0; q < 4; ++q) {
+                const unsigned row = static_cast<unsigned>(j + quads * q);
+                if (row >= m && row < stale) words |= 1u << q;
+            }
+            uint4* quad = tile + kt * quads + j;
+            if (words == 0xFu) {
+                *quad = make_uint4(0u, 0u, 0u, 0u);
+            } else {
+#pragma unroll
+                for (int q = 0; q < 4; ++q)
+                    if (words >> q & 1u) store_u32_evict_last(reinterpret_cast<uint32_t*>(quad) + q, 0u);
             }
         }
     } else {

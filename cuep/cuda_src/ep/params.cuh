@@ -101,6 +101,8 @@ struct DispatchArgs {
     int* msg_token;             // [n_src, T]
     int* msg_j;                 // [n_src, T] my position among the token's destination ranks
     int* msg_count;             // [n_src]
+    uint8_t* scale_tile_rows;   // fp4: [tiles of scales_out] rows of each 128-row tile that may be nonzero (the rest
+                                // are zero: pad_group zeroes only a tile's stale rows); nullptr elsewhere
 };
 
 enum CombineMode : int { kPartial = 0, kWeighted = 1, kUnreduced = 2 };
