@@ -64,7 +64,8 @@ class Dispatched:
     Attributes:
         tokens: [capacity, H] bfloat16 (bf16), [capacity, H] uint8 (fp8, e4m3 bits) or [capacity, H/2] uint8
             (nvfp4/mxfp4, two e2m1 per byte). Rows ``row_offsets[-1]`` and past are left as they were.
-        scales: fp8 float32 [H/128, capacity]; nvfp4/mxfp4 uint8 128x4-tiled block scales; bf16 None.
+        scales: fp8 float32 [H/128, capacity]; nvfp4/mxfp4 uint8 128x4-tiled block scales (padding 0: a round
+            zeroes only what earlier rounds wrote, so after writing into them call ``buf.reset()``); bf16 None.
         row_offsets: uint32 [n_groups + 1]: group g holds rows row_offsets[g] .. row_offsets[g+1].
         expert_ids: int32 [n_groups]: local expert of each group (the shared expert is id L, group 0).
         src_info: int32 [capacity, 2]: (token index on the source rank, top-k slot k) per row; (t, K) for
