@@ -245,8 +245,8 @@ class Buffer:
             row_weight=cupy.zeros(cfg.capacity, dtype=cupy.float32),
             msg_rows=cupy.full(2 * S * T * K, -1, dtype=cupy.int32), msg_token=cupy.zeros(S * T, dtype=cupy.int32),
             msg_j=cupy.zeros(S * T, dtype=cupy.int32), msg_count=cupy.zeros(S, dtype=cupy.int32),
-            scale_tile_rows=cupy.zeros(cfg.swizzled_scale_tiles, dtype=cupy.uint8) if cfg.fmt.swizzled_scales
-            else None)
+            scale_tile_rows=cupy.zeros(cfg.swizzled_scale_tiles, dtype=cupy.uint8)
+            if cfg.fmt.swizzled_scales and not node else None)  # (several nodes: cuep.internode pads every row)
 
     def _peer_bases(self) -> list[int]:
         """Base address of every rank's symmetric allocation as this process sees it, indexed by global rank and

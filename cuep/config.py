@@ -326,8 +326,10 @@ class EPConfig:
 
     @property
     def output_bytes(self) -> int:
-        """Dispatch outputs outside the symmetric buffer (scales, src_info, bookkeeping), allocated once."""
-        return self.capacity * 8 + self.scales_bytes + self.handle_bytes
+        """Dispatch outputs outside the symmetric buffer (scales and, fp4, a byte per scale tile: its rows that may
+        be nonzero; src_info, bookkeeping), allocated once."""
+        tile_bounds = self.swizzled_scale_tiles if self.fmt.swizzled_scales else 0
+        return self.capacity * 8 + self.scales_bytes + tile_bounds + self.handle_bytes
 
     @property
     def scale_rows(self) -> int:

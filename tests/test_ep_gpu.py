@@ -51,6 +51,21 @@ def test_round_matches_reference(devices, fmt, shared, skip, rng):
     run_round(buf, cfg, rng, n, weights_at=None)
 
 
+@pytest.mark.parametrize("devices", [p for p in groups() if p.id in ("sim2", "gpu2")])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_fp4_padding_zeroed_across_protocol_rounds(devices, fmt, rng):
+    # The protocol's receive (phase_recv) with scales not poisoned between rounds: it zeroes only the scale-tile rows
+    # the rounds before may have left (scale_tile_rows), directly or, in large rounds (H = 7168), through the gather
+    # of whole tiles; growing and shrinking rounds, staged and direct, a shared expert, must keep every padding byte
+    # of the used tiles zero and every tile's rows past its bound zero (check_dispatch).
+    cfg, buf = make(devices, dispatch_format=fmt, hidden=7168, max_tokens_per_rank=600, small_batch_tokens=32,
+                    fused_shared_expert=True)
+    for n, kw in (([600, 600], {}), ([3, 1], {}), ([600, 300], {"skew": True}), ([2, 0], {}), ([300, 40], {}),
+                  ([1, 5], {"skew": True}), ([600, 600], {"async_halves": True}), ([7, 7], {})):
+        run_round(buf, cfg, rng, n, poison_scales=False, **kw)
+    buf.close()
+
+
 @pytest.mark.parametrize("devices", groups())
 def test_direct_rounds_with_a_rank_without_tokens(devices, rng):
     # small_batch_tokens=0: every round direct (notify numbers messages per token range); rank 0 sends nothing, and
