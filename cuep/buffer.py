@@ -290,9 +290,9 @@ class Buffer:
         """Re-arm every rank (counts empty, flags and counters zero, error cleared). Synchronises the devices.
 
         Call it on every rank after an error, when no round is in flight, and after writing into a dispatch
-        output's fp4 ``scales`` (a round zeroes only the padding rows earlier rounds wrote). With one process per rank it is
-        collective: a barrier before (no peer still writes here) and after (no peer writes before every rank is
-        re-armed).
+        output's fp4 ``scales`` (a round zeroes only the padding rows earlier rounds wrote). With one process per
+        rank it is collective: a barrier before (no peer still writes here) and after (no peer writes before every
+        rank is re-armed).
         """
         import cupy
 

@@ -28,7 +28,7 @@ from .buffer import Buffer
 from .interop import tensor_ptr, torch_aware, torch_bindings
 from .params import (CALL_FIELDS, COMBINE_PARAMS_DTYPE, DISPATCH_PARAMS_DTYPE, c_contiguous, call_struct,
                      kernel_argument, launch_record, pointer)
-from .formats import GLOBAL_SCALE_MAX, GLOBAL_SCALE_MIN
+from .formats import GLOBAL_SCALE_MAX, GLOBAL_SCALE_MIN, ceil_div
 
 PHASE_NOTIFY, PHASE_SEND, PHASE_RECV = 1, 2, 4
 # with PHASE_SEND | PHASE_RECV in one call: a small bf16 round's local tokens go from x to their rows, unstaged;
@@ -313,8 +313,8 @@ def _chunk_units(items: int, units: int, align: int, warps: int) -> int:
     """chunk_units (cuda_src/ep/sync.cuh) on the host: the chunk size, in units and a multiple of ``align``, that
     cuts each of ``items`` rows of ``units`` units so that ``warps`` warps all get work (whole rows when items
     outnumber warps)."""
-    per = max(1, min(warps // items if items > 0 else 1, -(-units // align)))  # chunks a row
-    return -(-(-(-units // per)) // align) * align
+    per = max(1, min(warps // items if items > 0 else 1, ceil_div(units, align)))  # chunks a row
+    return ceil_div(ceil_div(units, per), align) * align
 
 
 def _pack_plan(per: int, units: int) -> int:
@@ -339,7 +339,7 @@ def _small_round_chunks(n: int, hidden: int, blocks: int, warps: int, quantized:
         room = grid_warps - _MIN_PAD_WARPS * blocks
         max_chunks = min(room // n, n_spans) if n > 0 else n_spans
         if max_chunks > 0 and -(-n_spans // spans) > max_chunks:
-            spans = -(-(-(-n_spans // max_chunks)) // _ENCODE_STEPS) * _ENCODE_STEPS
+            spans = ceil_div(ceil_div(n_spans, max_chunks), _ENCODE_STEPS) * _ENCODE_STEPS
     return _pack_plan(spans, n_spans)
 
 

@@ -124,9 +124,8 @@ __device__ void local_book(const EPParams& ep, const DispatchArgs& a, const Smal
     const int N = a.num_tokens, lane = threadIdx.x % kWarp;
     const bool report = blockIdx.x == 0;
     const int words = (N + 31) / 32;
-    // (W's log: shifts and masks instead of divisions on the layout's critical path)
-    const int lw = K <= 1 ? 0 : 32 - __clz(K - 1), W = 1 << lw, per_warp = kWarp >> lw, seg = lane >> lw;
-    const int k = lane & (W - 1);
+    const ChoiceLanes cl(K, lane);
+    const int lw = cl.lw, W = cl.W, per_warp = cl.per_warp, seg = cl.seg, k = cl.k;
     const int per_pass = static_cast<int>(blockDim.x / kWarp) * per_warp;  // tokens per pass of the block
     const int t_first = static_cast<int>(threadIdx.x / kWarp) * per_warp + seg;
     constexpr int kLoads = 4;  // passes whose ids are loaded together
@@ -185,9 +184,8 @@ __device__ void local_count(const EPParams& ep, const DispatchArgs& a, int* hist
     const int K = static_cast<int>(ep.top_k), N = a.num_tokens, L = static_cast<int>(ep.n_local);
     const int first = static_cast<int>(ep.rank) * L, lane = threadIdx.x % kWarp;
     int* pos = local_choice_pos(ep);
-    // (W's log: shifts and masks instead of divisions on the layout's critical path)
-    const int lw = K <= 1 ? 0 : 32 - __clz(K - 1), W = 1 << lw, per_warp = kWarp >> lw, seg = lane >> lw;
-    const int k = lane & (W - 1);
+    const ChoiceLanes cl(K, lane);
+    const int W = cl.W, per_warp = cl.per_warp, seg = cl.seg, k = cl.k;
     const int per_pass = static_cast<int>(blockDim.x / kWarp) * per_warp;  // tokens per pass of the block
     const int len = (N + static_cast<int>(gridDim.x) - 1) / static_cast<int>(gridDim.x);
     const int t_lo = min(N, static_cast<int>(blockIdx.x) * len), t_hi = min(N, t_lo + len);

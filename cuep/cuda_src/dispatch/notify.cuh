@@ -45,8 +45,8 @@ __device__ void phase_notify(const EPParams& ep, const DispatchArgs& a, int roun
     const int range_len = notify_range_len(a.num_tokens);
     const int lo = min(a.num_tokens, static_cast<int>(blockIdx.x) * range_len);
     const int hi = static_cast<int>(blockIdx.x) < n_ranges ? min(a.num_tokens, lo + range_len) : lo;
-    const int lw = K <= 1 ? 0 : 32 - __clz(K - 1), W = 1 << lw, per_warp = kWarp >> lw;
-    const int seg = lane >> lw, k = lane & (W - 1);
+    const ChoiceLanes cl(K, lane);
+    const int W = cl.W, per_warp = cl.per_warp, seg = cl.seg, k = cl.k;
     const unsigned seg_bits = W == kWarp ? 0xffffffffu : (1u << W) - 1u;
     for (int t0 = lo + static_cast<int>(threadIdx.x) / kWarp * per_warp; t0 < hi; t0 += n_warps * per_warp) {
         const int t = t0 + seg;

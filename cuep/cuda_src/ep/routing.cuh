@@ -25,6 +25,15 @@ __device__ __forceinline__ const float* msg_weights(const EPParams& ep, const in
     return reinterpret_cast<const float*>(msg_rows + ep.n_src * ep.max_tokens * ep.top_k);
 }
 
+// A warp's lanes as segments of W lanes, a token each (W: the power of two >= K; lane k of a segment holds choice
+// k, k < K): log2 W, W, tokens per warp, this lane's segment and slot. (Shifts and masks, not divisions: they sit
+// on the decode layout's critical path.) The dispatch's count (notify), the one-rank count and book.
+struct ChoiceLanes {
+    int lw, W, per_warp, seg, k;
+    __device__ __forceinline__ ChoiceLanes(int K, int lane)
+        : lw(K <= 1 ? 0 : 32 - __clz(K - 1)), W(1 << lw), per_warp(kWarp >> lw), seg(lane >> lw), k(lane & (W - 1)) {}
+};
+
 // A warp holding one token's top-k row, lane k = choice k (k < K): does an earlier lane hold the same value v?
 // (All lanes take part.) With `width` W < 32 (a power of two >= K) each W-lane segment holds its own token and
 // `lane` is the lane's index in its segment.
