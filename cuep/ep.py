@@ -320,7 +320,7 @@ def _chunk_units(items: int, units: int, align: int, warps: int) -> int:
 def _pack_plan(per: int, units: int) -> int:
     """A chunk plan as the kernels take it (take_chunk_plan, cuda_src/ep/sync.cuh): ``per | chunks << 16`` for
     chunks of ``per`` units over a row of ``units``; 0 (the kernels' fallback) when either does not fit its field."""
-    chunks = -(-units // per)
+    chunks = ceil_div(units, per)
     return per | chunks << 16 if per < 1 << 16 and chunks < 1 << 15 else 0
 
 
@@ -332,13 +332,13 @@ def _small_round_chunks(n: int, hidden: int, blocks: int, warps: int, quantized:
     items would leave fewer than kMinPadWarps warps of a block free for padding takes chunks of whole encode steps,
     as few as make that room. The kernel takes any plan that covers the row exactly.
     """
-    n_spans = -(-hidden // _WARP_SPAN)
+    n_spans = ceil_div(hidden, _WARP_SPAN)
     grid_warps = blocks * warps
-    spans = max(_chunk_units(n, n_spans, 1, grid_warps), -(-n_spans // _MAX_CHUNKS))
+    spans = max(_chunk_units(n, n_spans, 1, grid_warps), ceil_div(n_spans, _MAX_CHUNKS))
     if quantized:
         room = grid_warps - _MIN_PAD_WARPS * blocks
         max_chunks = min(room // n, n_spans) if n > 0 else n_spans
-        if max_chunks > 0 and -(-n_spans // spans) > max_chunks:
+        if max_chunks > 0 and ceil_div(n_spans, spans) > max_chunks:
             spans = ceil_div(ceil_div(n_spans, max_chunks), _ENCODE_STEPS) * _ENCODE_STEPS
     return _pack_plan(spans, n_spans)
 

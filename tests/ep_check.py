@@ -13,6 +13,7 @@ import numpy as np
 
 import cuep
 from cuep import reference as ref
+from cuep.formats import SCALE_TILE_ROWS
 from cuep.reference.quant import unswizzle_block_scales
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -68,7 +69,7 @@ def poison_outputs(buf, scales: bool = True) -> None:
             if r.scales is not None and scales:
                 r.scales.view(np.uint8).fill(0xA5)
                 if r.scale_tile_rows is not None:  # every row of a tile may be nonzero now (as Buffer.reset says)
-                    r.scale_tile_rows.fill(128)
+                    r.scale_tile_rows.fill(SCALE_TILE_ROWS)
             r.src_info.fill(-7)
             r.row_offsets.fill(0xFFFFFFF)
             r.expert_ids.fill(-7)
