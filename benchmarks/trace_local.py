@@ -1,19 +1,23 @@
 #!/usr/bin/env python3
-"""Where the microseconds of a one-rank decode dispatch go, inside its one launch (issue 24, item 1).
+"""Where the microseconds of a one-rank dispatch go, inside its one launch (issue 24, item 1).
 
     PYTHONPATH=. python3 benchmarks/trace_local.py                        # bf16 nvfp4, N = 1 32 128
     PYTHONPATH=. python3 benchmarks/trace_local.py --formats fp8 --tokens 16 --out out/trace
+    PYTHONPATH=. python3 benchmarks/trace_local.py --formats nvfp4 --tokens 4096   # a larger round
     python3 benchmarks/trace_local.py --dry-run                           # build and list the points (no GPU)
 
 A one-rank round is one launch, so ``python -m cuep.bench --floor --phases`` cannot split it. This script copies
-the ``cuep`` package to a work directory and adds trace points to the copy's small-round path
+the ``cuep`` package to a work directory and adds trace points to the copy's one-rank path
 (``cuda_src/dispatch/local.cuh``; the product is never changed): at each point thread 0 of every block writes
 ``%globaltimer`` to a device array. The copy then runs in a child process (its own kernel cache entries, since the
-source differs), H = 7168, K = 8, E = 256, one real rank, the small round (N <= small_batch_tokens): per format and
-N, after untimed warm-up rounds, ``--reps`` dispatches each after a combine (as in a model), every point's time
-after its block's entry, the median over blocks (and the slowest block), median over the reps. A point is thread
-0's view, except where it follows a barrier (then it is the block's). The points themselves cost a little (two
-stores each); the untraced launch around them (entry and drain) is the rest of ``cuep.bench --floor``'s figure.
+source differs), H = 7168, K = 8, E = 256, one real rank, max_tokens_per_rank = max(``--tokens``), so
+small_batch_tokens is min(that, 256): N up to it takes the small round (POINTS: the book, the scan, the items),
+a larger N the larger round (LARGE_POINTS: the count, its grid barrier, the items, the deferred scale gather).
+Per format and N, after untimed warm-up rounds, ``--reps`` dispatches each after a combine (as in a model), every
+point's time after its block's entry, the median over blocks (and the slowest block), median over the reps. A
+point is thread 0's view, except where it follows a barrier (then it is the block's). The points themselves cost a
+little (two stores each); the untraced launch around them (entry and drain) is the rest of ``cuep.bench
+--floor``'s figure.
 
 Each point is placed by an anchor, a line of the source it goes before or after; when the source changes and an
 anchor no longer matches exactly once, the build stops and names it (tests/test_trace_local_cpu.py checks them
@@ -38,18 +42,30 @@ MAX_BLOCKS = 1024
 SLOTS = 16  # trace words per block
 H, K, E = 7168, 8, 256
 
-# (point, what it marks, anchor, where): the point's code goes "before" or "after" the anchor (which must occur
-# exactly once in TRACED_FILE). In the order a block passes them.
-POINTS = [
-    ("entry", "the block starts the placement", "    const int failed = kBook ? read_failed(ep) : 0;\n", "before"),
-    ("ids issued", "the book's first top-k loads issued", "    load(0);\n    meanwhile();\n", "inside"),
-    ("prepared", "the warp's first item planned, its loads issued", "    meanwhile();\n", "after"),
-    ("masks cleared", "barrier: expert masks zeroed", "    __syncthreads();\n    for (int t0 = 0; t0 < N; t0 += kLoads * per_pass) {\n", "inside"),
-    ("choices booked", "barrier: every choice in its expert's mask", "    __syncthreads();\n    for (int i = threadIdx.x; i < N << lw;", "inside"),
-    ("book done", "each choice's position in its group", "        local_book(ep, a, book, prepare);\n", "after"),
-    ("groups scanned", "barrier: the groups' first rows (and scale tiles)", "    local_scan_groups<FMT>(ep, s_shared_n, count_of, s_offsets, s_tiles, &s_tiles_end);\n", "after"),
-    ("items placed", "barrier: the block's rows, scales and metadata stored", "    // 4. (deferred) The scales in whole lines", "sync-before"),
+# (point, what it marks, anchor, where, guard): the point's code goes "before" or "after" the anchor (which must
+# occur exactly once in TRACED_FILE), "inside" it (after its first line) or "sync-before" (a block barrier, then
+# the point); `guard` keeps a point in code both rounds share to its own round. In the order a block passes them.
+POINTS = [  # the small round (dispatch_local with kBook)
+    ("entry", "the block starts the placement", "    const int failed = kBook ? read_failed(ep) : 0;\n", "before", "kBook"),
+    ("ids issued", "the book's first top-k loads issued", "    load(0);\n    meanwhile();\n", "inside", ""),
+    ("prepared", "the warp's first item planned, its loads issued", "    meanwhile();\n", "after", ""),
+    ("masks cleared", "barrier: expert masks zeroed", "    __syncthreads();\n    for (int t0 = 0; t0 < N; t0 += kLoads * per_pass) {\n", "inside", ""),
+    ("choices booked", "barrier: every choice in its expert's mask", "    __syncthreads();\n    for (int i = threadIdx.x; i < N << lw;", "inside", ""),
+    ("book done", "each choice's position in its group", "        local_book(ep, a, book, prepare);\n", "after", ""),
+    ("groups scanned", "barrier: the groups' first rows (and scale tiles)", "    local_scan_groups<FMT>(ep, s_shared_n, count_of, s_offsets, s_tiles, &s_tiles_end);\n", "after", "kBook"),
+    ("items placed", "barrier: the block's rows, scales and metadata stored", "    // 4. (deferred) The scales in whole lines", "sync-before", "kBook"),
 ]
+LARGE_POINTS = [  # the larger round (dispatch_local_large, dispatch_local without kBook)
+    ("entry", "the block starts the round", "    __shared__ int s_gen, s_ok;\n", "before", ""),
+    ("counted", "barrier: the block's tokens counted, its histogram atomics done", "    local_count(ep, a, local_hist(ep, parity), s_count);\n", "after", ""),
+    ("first encoded", "thread 0's warp planned (quantized: encoded) its first item", "        prepare();\n        if (!counted()) return;\n", "inside", ""),
+    ("all counted", "barrier: every block's count in (the grid barrier)", "        if (!counted()) return;\n", "after", ""),
+    ("groups scanned", "barrier: the groups' first rows (and scale tiles)", "    local_scan_groups<FMT>(ep, s_shared_n, count_of, s_offsets, s_tiles, &s_tiles_end);\n", "after", "!kBook"),
+    ("items placed", "barrier: the block's rows (and scale records) stored", "    // 4. (deferred) The scales in whole lines", "sync-before", "!kBook"),
+    ("all noted", "(deferred scales) barrier: every block's records in", "        gather_scales<FMT>(ep, a, 0,", "before", ""),
+    ("gathered", "(deferred scales) barrier: the block's scale tiles stored", "static_cast<int>(blockIdx.x), grid_warps, lane);\n", "sync-after", ""),
+]
+LARGE_BASE = 8  # the larger round's slots: LARGE_BASE + its point's index
 
 HEADER = f"""
 #ifndef CUEP_TRACE_LOCAL
@@ -61,25 +77,35 @@ extern "C" {{ __device__ unsigned long long cuep_trace_local[{MAX_BLOCKS} * {SLO
 """
 
 
+def _place(out: str, name: str, anchor: str, where: str, guard: str, slot: int) -> str:
+    n = out.count(anchor)
+    if n != 1:
+        raise ValueError(f"trace point {name!r}: its anchor occurs {n} times in {TRACED_FILE} (want 1): "
+                         f"{anchor!r}; update POINTS / LARGE_POINTS in benchmarks/trace_local.py to the source")
+    tp = f"CUEP_TP({slot});"
+    if guard:
+        tp = f"if ({guard}) {tp}"
+    if where == "before":
+        code = f"    {tp}\n" + anchor
+    elif where == "after":
+        code = anchor + f"    {tp}\n"
+    elif where == "inside":  # after the anchor's first line
+        first, rest = anchor.split("\n", 1)
+        code = first + f"\n    {tp}\n" + rest
+    elif where == "sync-after":  # the block's last warp is done
+        code = anchor + f"    __syncthreads();\n    {tp}\n"
+    else:  # sync-before: a barrier, then the point
+        code = f"    __syncthreads();\n    {tp}\n" + anchor
+    return out.replace(anchor, code)
+
+
 def traced_source(src: str) -> str:
     """``src`` (TRACED_FILE's text) with the trace header and every point; ValueError naming a missing anchor."""
     out = src
-    for i, (name, _, anchor, where) in enumerate(POINTS):
-        n = out.count(anchor)
-        if n != 1:
-            raise ValueError(f"trace point {name!r}: its anchor occurs {n} times in {TRACED_FILE} (want 1): "
-                             f"{anchor!r}; update POINTS in benchmarks/trace_local.py to the source")
-        tp = f"CUEP_TP({i});"
-        if where == "before":
-            code = f"    if (kBook) {tp}\n" + anchor if name == "entry" else f"    {tp}\n" + anchor
-        elif where == "after":
-            code = anchor + f"    {tp}\n" if not anchor.startswith("        ") else anchor + f"        {tp}\n"
-        elif where == "inside":  # after the anchor's first line
-            first, rest = anchor.split("\n", 1)
-            code = first + f"\n    {tp}\n" + rest
-        else:  # sync-before: a barrier, then the point (the block's last warp is done)
-            code = f"    __syncthreads();\n    {tp}\n" + anchor
-        out = out.replace(anchor, code)
+    for i, (name, _, anchor, where, guard) in enumerate(POINTS):
+        out = _place(out, name, anchor, where, guard, i)
+    for i, (name, _, anchor, where, guard) in enumerate(LARGE_POINTS):
+        out = _place(out, name, anchor, where, guard, LARGE_BASE + i)
     marker = "#pragma once\n"
     if out.count(marker) != 1:
         raise ValueError(f"{TRACED_FILE} has no single '#pragma once' to put the trace header after")
@@ -107,7 +133,6 @@ def child(args) -> int:
 
     bf16 = np.dtype(ml_dtypes.bfloat16)
     rng = np.random.default_rng(args.seed)
-    names = [p[0] for p in POINTS]
     results = {}
     for fmt in args.formats:
         cfg = cuep.EPConfig(hidden=H, top_k=K, n_experts=E, max_tokens_per_rank=max(args.tokens),
@@ -118,10 +143,8 @@ def child(args) -> int:
         trace = cupy.ndarray((MAX_BLOCKS * SLOTS,), cupy.uint64,
                              memptr=_kernels.module("dispatch.cu").get_global("cuep_trace_local"))
         for n in args.tokens:
-            if n > cfg.small_batch_tokens:
-                print(f"[trace] skip N={n}: above small_batch_tokens={cfg.small_batch_tokens} (not the traced path)",
-                      file=sys.stderr)
-                continue
+            small = n <= cfg.small_batch_tokens
+            points, base = (POINTS, 0) if small else (LARGE_POINTS, LARGE_BASE)
             x = cupy.asarray(rng.standard_normal((n, H), np.float32).astype(bf16))
             ids = cupy.asarray(np.argsort(rng.random((n, E)), axis=1)[:, :K].astype(np.int32))
             w = cupy.asarray(rng.random((n, K), np.float32))
@@ -135,21 +158,23 @@ def child(args) -> int:
                 cuep.combine(buf, eo, d)
                 cuep.dispatch(buf, x, ids, w)
                 cupy.cuda.Device().synchronize()
-                a = trace.get().reshape(MAX_BLOCKS, SLOTS)[:buf.num_sms, :len(POINTS)].astype(np.int64)
+                a = trace.get().reshape(MAX_BLOCKS, SLOTS)[:buf.num_sms, base:base + len(points)].astype(np.int64)
                 rel = (a - a[:, :1]) / 1e3  # us after the block's entry
                 ok = a[:, 0] != 0
                 per_rep.append([(float(np.median(rel[ok & (a[:, i] != 0), i])), float(rel[ok & (a[:, i] != 0), i].max()))
                                 if (ok & (a[:, i] != 0)).any() else (float("nan"), float("nan"))
-                                for i in range(len(POINTS))])
+                                for i in range(len(points))])
             buf.check()
-            med = [statistics.median(r[i][0] for r in per_rep) for i in range(len(POINTS))]
-            slow = [statistics.median(r[i][1] for r in per_rep) for i in range(len(POINTS))]
-            results[f"{fmt} N={n}"] = {"format": fmt, "N": n, "points": names, "median_block_us": med,
+            med = [statistics.median(r[i][0] for r in per_rep) for i in range(len(points))]
+            slow = [statistics.median(r[i][1] for r in per_rep) for i in range(len(points))]
+            results[f"{fmt} N={n}"] = {"format": fmt, "N": n, "round": "small" if small else "larger",
+                                       "points": [p[0] for p in points], "median_block_us": med,
                                        "slowest_block_us": slow}
-            print(f"\n{fmt}, N = {n}: us after the block's entry (median block / slowest block, median of "
-                  f"{args.reps}; step = from the point before, median block)")
+            print(f"\n{fmt}, N = {n} ({'small' if small else 'larger'} round): us after the block's entry (median "
+                  f"block / slowest block, median of {args.reps}; step = from the point before, median block; nan: "
+                  f"not reached)")
             print(f"  {'point':16s} {'median':>7s} {'slowest':>8s} {'step':>6s}  marks")
-            for i, (name, what, _, _) in enumerate(POINTS):
+            for i, (name, what, *_) in enumerate(points):
                 step = med[i] - med[i - 1] if i else 0.0
                 print(f"  {name:16s} {med[i]:7.2f} {slow[i]:8.2f} {step:6.2f}  {what}")
         buf.close()
@@ -180,10 +205,12 @@ def main(argv=None) -> int:
     work = Path(args.work_dir or Path(tempfile.gettempdir()) / "cuep_trace_local")
     work.mkdir(parents=True, exist_ok=True)
     pkg = build(work)
-    print(f"[trace] traced copy: {pkg} ({len(POINTS)} points in {TRACED_FILE})", file=sys.stderr)
+    print(f"[trace] traced copy: {pkg} ({len(POINTS) + len(LARGE_POINTS)} points in {TRACED_FILE})", file=sys.stderr)
     if args.dry_run:
-        for i, (name, what, _, where) in enumerate(POINTS):
-            print(f"  {i}  {name:16s} {where:11s} {what}")
+        for title, points, base in (("small round", POINTS, 0), ("larger round", LARGE_POINTS, LARGE_BASE)):
+            print(f"{title}:")
+            for i, (name, what, _, where, _) in enumerate(points):
+                print(f"  {base + i:2d}  {name:16s} {where:11s} {what}")
         return 0
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(work), *filter(None, [os.environ.get("PYTHONPATH")])]))
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", *(argv if argv is not None else sys.argv[1:])]

@@ -1,5 +1,5 @@
-"""``benchmarks/trace_local.py`` without a GPU: its trace points still find their anchors in the current one-rank
-dispatch source, a missing anchor is named, and the traced copy compiles for sm_90 like the runtime's kernels."""
+"""``benchmarks/trace_local.py`` without a GPU: its trace points (both rounds') still find their anchors in the
+current one-rank dispatch source, a missing anchor is named, and the traced copy compiles for sm_90 like the runtime's kernels."""
 from __future__ import annotations
 
 import importlib.util
@@ -28,7 +28,12 @@ def test_every_point_lands_once(trace_local):
     out = trace_local.traced_source(src)
     for i in range(len(trace_local.POINTS)):
         assert out.count(f"CUEP_TP({i});") == 1, trace_local.POINTS[i][0]
-    assert out.count("CUEP_TP(") == len(trace_local.POINTS) + 1  # the points and the macro's definition
+    for i in range(len(trace_local.LARGE_POINTS)):
+        assert out.count(f"CUEP_TP({trace_local.LARGE_BASE + i});") == 1, trace_local.LARGE_POINTS[i][0]
+    assert len(trace_local.POINTS) <= trace_local.LARGE_BASE  # the two rounds' slots do not overlap
+    assert trace_local.LARGE_BASE + len(trace_local.LARGE_POINTS) <= trace_local.SLOTS
+    n_points = len(trace_local.POINTS) + len(trace_local.LARGE_POINTS)
+    assert out.count("CUEP_TP(") == n_points + 1  # the points and the macro's definition
     assert out.count("cuep_trace_local[") == 2  # declared once, written by the macro
     # the product's source is not touched
     assert "CUEP_TP" not in (ROOT / "cuep" / trace_local.TRACED_FILE).read_text()
@@ -36,7 +41,7 @@ def test_every_point_lands_once(trace_local):
 
 def test_a_missing_anchor_is_named(trace_local):
     src = (ROOT / "cuep" / trace_local.TRACED_FILE).read_text()
-    name, _, anchor, _ = trace_local.POINTS[3]
+    name, _, anchor = trace_local.POINTS[3][:3]
     with pytest.raises(ValueError, match=f"trace point '{name}': its anchor occurs 0 times"):
         trace_local.traced_source(src.replace(anchor, anchor.replace("__syncthreads", "__syncwarp")))
 
@@ -44,9 +49,9 @@ def test_a_missing_anchor_is_named(trace_local):
 def test_dry_run_builds_the_copy(trace_local, tmp_path, capsys):
     assert trace_local.main(["--dry-run", "--work-dir", str(tmp_path)]) == 0
     traced = (tmp_path / "cuep" / trace_local.TRACED_FILE).read_text()
-    assert traced.count("CUEP_TP(") == len(trace_local.POINTS) + 1
+    assert traced.count("CUEP_TP(") == len(trace_local.POINTS) + len(trace_local.LARGE_POINTS) + 1
     listed = capsys.readouterr().out
-    assert all(p[0] in listed for p in trace_local.POINTS)
+    assert all(p[0] in listed for p in trace_local.POINTS + trace_local.LARGE_POINTS)
 
 
 def test_traced_copy_compiles_for_sm90(trace_local, tmp_path):
