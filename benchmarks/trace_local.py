@@ -43,8 +43,11 @@ SLOTS = 16  # trace words per block
 H, K, E = 7168, 8, 256
 
 # (point, what it marks, anchor, where, guard): the point's code goes "before" or "after" the anchor (which must
-# occur exactly once in TRACED_FILE), "inside" it (after its first line) or "sync-before" (a block barrier, then
-# the point); `guard` keeps a point in code both rounds share to its own round. In the order a block passes them.
+# occur exactly once in TRACED_FILE), "inside" it (after its first line), or "sync-before" / "sync-after" (a block
+# barrier, then the point); `guard` keeps a point in code both rounds share (its barrier too) to its own round.
+# In the order a block passes them.
+SCANNED = "    local_scan_groups<FMT>(ep, s_shared_n, count_of, s_offsets, s_tiles, &s_tiles_end);\n"  # both rounds
+PLACED = "    // 4. (deferred) The scales in whole lines"  # both rounds: the items loop is done
 POINTS = [  # the small round (dispatch_local with kBook)
     ("entry", "the block starts the placement", "    const int failed = kBook ? read_failed(ep) : 0;\n", "before", "kBook"),
     ("ids issued", "the book's first top-k loads issued", "    load(0);\n    meanwhile();\n", "inside", ""),
@@ -52,16 +55,16 @@ POINTS = [  # the small round (dispatch_local with kBook)
     ("masks cleared", "barrier: expert masks zeroed", "    __syncthreads();\n    for (int t0 = 0; t0 < N; t0 += kLoads * per_pass) {\n", "inside", ""),
     ("choices booked", "barrier: every choice in its expert's mask", "    __syncthreads();\n    for (int i = threadIdx.x; i < N << lw;", "inside", ""),
     ("book done", "each choice's position in its group", "        local_book(ep, a, book, prepare);\n", "after", ""),
-    ("groups scanned", "barrier: the groups' first rows (and scale tiles)", "    local_scan_groups<FMT>(ep, s_shared_n, count_of, s_offsets, s_tiles, &s_tiles_end);\n", "after", "kBook"),
-    ("items placed", "barrier: the block's rows, scales and metadata stored", "    // 4. (deferred) The scales in whole lines", "sync-before", "kBook"),
+    ("groups scanned", "barrier: the groups' first rows (and scale tiles)", SCANNED, "after", "kBook"),
+    ("items placed", "barrier: the block's rows, scales and metadata stored", PLACED, "sync-before", "kBook"),
 ]
 LARGE_POINTS = [  # the larger round (dispatch_local_large, dispatch_local without kBook)
     ("entry", "the block starts the round", "    __shared__ int s_gen, s_ok;\n", "before", ""),
     ("counted", "barrier: the block's tokens counted, its histogram atomics done", "    local_count(ep, a, local_hist(ep, parity), s_count);\n", "after", ""),
     ("first encoded", "thread 0's warp planned (quantized: encoded) its first item", "        prepare();\n        if (!counted()) return;\n", "inside", ""),
     ("all counted", "barrier: every block's count in (the grid barrier)", "        if (!counted()) return;\n", "after", ""),
-    ("groups scanned", "barrier: the groups' first rows (and scale tiles)", "    local_scan_groups<FMT>(ep, s_shared_n, count_of, s_offsets, s_tiles, &s_tiles_end);\n", "after", "!kBook"),
-    ("items placed", "barrier: the block's rows (and scale records) stored", "    // 4. (deferred) The scales in whole lines", "sync-before", "!kBook"),
+    ("groups scanned", "barrier: the groups' first rows (and scale tiles)", SCANNED, "after", "!kBook"),
+    ("items placed", "barrier: the block's rows (and scale records) stored", PLACED, "sync-before", "!kBook"),
     ("all noted", "(deferred scales) barrier: every block's records in", "        gather_scales<FMT>(ep, a, 0,", "before", ""),
     ("gathered", "(deferred scales) barrier: the block's scale tiles stored", "static_cast<int>(blockIdx.x), grid_warps, lane);\n", "sync-after", ""),
 ]
@@ -83,8 +86,10 @@ def _place(out: str, name: str, anchor: str, where: str, guard: str, slot: int) 
         raise ValueError(f"trace point {name!r}: its anchor occurs {n} times in {TRACED_FILE} (want 1): "
                          f"{anchor!r}; update POINTS / LARGE_POINTS in benchmarks/trace_local.py to the source")
     tp = f"CUEP_TP({slot});"
+    if where.startswith("sync-"):  # a barrier, then the point: one barrier in each round (the guard is constexpr)
+        tp = f"__syncthreads(); {tp}"
     if guard:
-        tp = f"if ({guard}) {tp}"
+        tp = f"if ({guard}) {{ {tp} }}"
     if where == "before":
         code = f"    {tp}\n" + anchor
     elif where == "after":
@@ -93,9 +98,9 @@ def _place(out: str, name: str, anchor: str, where: str, guard: str, slot: int) 
         first, rest = anchor.split("\n", 1)
         code = first + f"\n    {tp}\n" + rest
     elif where == "sync-after":  # the block's last warp is done
-        code = anchor + f"    __syncthreads();\n    {tp}\n"
-    else:  # sync-before: a barrier, then the point
-        code = f"    __syncthreads();\n    {tp}\n" + anchor
+        code = anchor + f"    {tp}\n"
+    else:  # sync-before
+        code = f"    {tp}\n" + anchor
     return out.replace(anchor, code)
 
 
