@@ -515,7 +515,7 @@ def test_host_stats():
 
 
 def fake_floor_record(op="dispatch", fmt="fp8", n=128, us=(20.0, 15.0), floor_us=(6.0, 5.0), layout_us=7.5,
-                      host_us=40.0, blocked=False):
+                      host_us=40.0, blocked=False, chain_us=None):
     from cuep.bench import floor
 
     t = lambda v: timing.Timing([[[v] * 3], [[v] * 3]]).as_dict()  # noqa: E731
@@ -524,7 +524,23 @@ def fake_floor_record(op="dispatch", fmt="fp8", n=128, us=(20.0, 15.0), floor_us
            "gpu": {"cold": t(us[0]), "warm": t(us[1])}, "floor": {"cold": t(floor_us[0]), "warm": t(floor_us[1])},
            "floor_layout": {"cold": t(layout_us), "warm": t(layout_us)} if layout_us else None,
            "host": floor.host_stats([host_us] * 4) | {"blocked": blocked}}
+    if chain_us:  # (op, floor) us per call, CHAIN_CALLS calls a run
+        calls = floor.CHAIN_CALLS
+        rec["chain"] = {"calls": calls, "warm": t(chain_us[0] * calls), "floor_warm": t(chain_us[1] * calls)}
     return floor.fill_derived(rec)
+
+
+def test_floor_back_to_back_fields_and_table():
+    from cuep.bench import floor
+
+    r = fake_floor_record(chain_us=(12.0, 4.0))
+    assert r["chain_us"] == pytest.approx(12.0) and r["chain_floor_us"] == pytest.approx(4.0)
+    assert r["x_floor_chain"] == pytest.approx(3.0)
+    old = fake_floor_record()  # (a JSON from before the back-to-back timing)
+    assert old["chain_us"] is None and old["x_floor_chain"] is None
+    rows = floor.chain_rows([r, old])
+    assert len(rows) == 1 and rows[0][:3] == ("dispatch", "fp8", 128) and rows[0][-1] == "3.00"
+    assert len(floor.CHAIN_HEADER) == len(rows[0])
 
 
 def test_floor_derived_fields_and_table():
@@ -554,12 +570,13 @@ def test_floor_report_prints_every_table(capsys):
                "segments": [seg("notify", 3.0, 2.5), seg("send", 6.0, 5.0), seg("recv", 9.0, 8.0)],
                "total_cold_us": 18.0, "total_warm_us": 15.5}]
     doc = {"meta": {"notes": ["one rank"], "gpus": [{"name": "Fake GPU"}]},
-           "config": {"hidden": 7168, "top_k": 8, "n_experts": 256}, "results": [fake_floor_record()],
+           "config": {"hidden": 7168, "top_k": 8, "n_experts": 256},
+           "results": [fake_floor_record(chain_us=(12.0, 4.0))],
            "host": host, "phases": phases, "errors": []}
     floor.print_report(doc)
     out = capsys.readouterr().out
     assert "note: one rank" in out and "cuep.dispatch_async" in out and "15.5" in out and "notify" in out
-    assert out.index("host cost") < out.index("per launch") < out.index("Fake GPU")  # the main table last
+    assert out.index("host cost") < out.index("per launch") < out.index("back to back") < out.index("Fake GPU")
     assert out.rstrip().splitlines()[-1].split()[:3] == ["dispatch", "fp8", "128"]
 
 

@@ -37,6 +37,11 @@ with the weights given at dispatch (timed after an untimed bf16 dispatch). For e
   untimed work between timed calls (combine's dispatch) is queued behind the gate too. First row: a bare launch
   of an empty kernel shaped like the dispatch's (``launch only``), the part of a call's host time that is the
   driver's, not Python's (it differs several-fold between hosts).
+* **back to back**: ``CHAIN_CALLS`` calls of the op captured in one CUDA graph, the graph's replay timed (warm,
+  behind the gate) and divided by the calls, beside as many floor copies captured and timed the same way: what a
+  model that replays its decode step as a graph sees (a graph starts each kernel sooner after the one before
+  than separate launches do, so the fixed cost of a call shrinks; the floor's shrinks as much). Combine repeats
+  the sum of one dispatch of input set 0 (one rank: it only reads the dispatch's outputs).
 * ``--phases`` (at ``--phases-n``, default 128): where a decode round's microseconds go. Each op is timed as
   consecutive launches with a CUDA event between them: fused and halves (``*_async`` then ``*_wait``) as cuep
   runs them (on one rank: the one-rank kernels, no protocol), and phases: the protocol's notify, send, receive as
@@ -68,6 +73,7 @@ FLOOR_N = [1, 32, 128, 4096]
 QUICK_FLOOR_N = [1, 16, 64]
 PHASES_N = [128]
 QUICK_PHASES_N = [16]
+CHAIN_CALLS = 16                          # calls of one back-to-back run
 HOST_CALLS, HOST_BATCHES = 32, 8          # per batch at most 2 x 32 launches queue behind the gate
 QUICK_HOST_CALLS, QUICK_HOST_BATCHES = 8, 2
 HOST_GATE_TIMEOUT_S = 5.0                 # a batch takes milliseconds; a call that waits on the GPU trips this
@@ -78,6 +84,8 @@ FLOOR_HEADER = ("op", "format", "N", "GPU us cold", "GPU us warm", "floor us col
 LAUNCH_FLOOR_CALL = "launch only (empty kernel)"  # the host table's row of kernels.launch_floor
 HOST_HEADER = ("call", "format", "N", "host us median", "p10", "p90", "calls", "note")
 PHASES_HEADER = ("op", "format", "N", "split", "launch", "us cold", "us warm")
+CHAIN_HEADER = ("op", "format", "N", "us warm (one call)", "us per call (graph)", "floor us per call (graph)",
+                "x floor")
 
 
 def log(msg: str) -> None:
@@ -453,6 +461,10 @@ def fill_derived(rec: dict) -> dict:
     moved = rec["bytes"]["read"] + rec["bytes"]["write"]
     rec["floor_gbps_warm"] = div(moved / 1e3, rec["floor_us_warm"])
     rec["host_us"] = (rec.get("host") or {}).get("median_us")
+    ch = rec.get("chain")
+    rec["chain_us"] = med(ch, "warm") / ch["calls"] if ch else None
+    rec["chain_floor_us"] = med(ch, "floor_warm") / ch["calls"] if ch else None
+    rec["x_floor_chain"] = div(rec["chain_us"], rec["chain_floor_us"])
     return rec
 
 
@@ -467,6 +479,12 @@ def floor_rows(results: list[dict]) -> list[tuple]:
                      _fmt(r["x_floor_warm"], ".2f"), _fmt(r["layout_us_warm"]), _fmt(r["x_layout_warm"], ".2f"),
                      host))
     return rows
+
+
+def chain_rows(results: list[dict]) -> list[tuple]:
+    return [(r["op"], r["format"], r["n_tokens"], _fmt(r["us_warm"]), _fmt(r.get("chain_us")),
+             _fmt(r.get("chain_floor_us")), _fmt(r.get("x_floor_chain"), ".2f"))
+            for r in results if r.get("chain_us") is not None]
 
 
 def host_rows(host: list[dict]) -> list[tuple]:
@@ -495,6 +513,10 @@ def print_report(doc: dict) -> None:
     if doc.get("phases"):
         print("\nper launch, a round split into consecutive launches (median us; sum = per-run sum):")
         print(table(phases_rows(doc["phases"]), PHASES_HEADER))
+    if any(r.get("chain_us") is not None for r in doc["results"]):
+        print(f"\nback to back: {CHAIN_CALLS} calls in one CUDA graph, replayed warm, GPU us per call, beside a graph "
+              f"of as many floor copies:")
+        print(table(chain_rows(doc["results"]), CHAIN_HEADER))
     for e in doc.get("errors", []):
         print(f"ERROR {e}")
     for r in doc["results"]:
@@ -566,6 +588,22 @@ def run(plan) -> tuple[dict, int]:
         return {"read_bytes": read, "write_bytes": write, "cold": _timing_dict(t["cold"]),
                 "warm": _timing_dict(t["warm"])}
 
+    def chain_timing(op_fn, setup, read, write, after):
+        """Replays of a CUDA graph of CHAIN_CALLS calls (warm), and of one of as many floor copies."""
+        src, dst = scratch_mem("src", read), scratch_mem("dst", write)
+        ckw = dict(kw, modes=("warm",))
+        # (the graph holds input set 0's arrays: combine's untimed dispatch before each replay is set 0's too, or
+        # the captured combine would read another routing's row positions with set 0's expert ids)
+        setup0 = None if setup is None else (lambda i: setup(0))
+        if setup0 is not None:
+            setup0(0)
+        op_graph = _captured(lambda: [op_fn(0) for _ in range(CHAIN_CALLS)], dev)
+        floor_graph = _captured(lambda: [kernels.floor_copy(src, dst, read, write)
+                                         for _ in range(CHAIN_CALLS)], dev)
+        t = timing.measure(lambda i: op_graph.launch(), devs, setup=setup0, after_series=after, **ckw)
+        f = timing.measure(lambda i: floor_graph.launch(), devs, **ckw)
+        return {"calls": CHAIN_CALLS, "warm": _timing_dict(t["warm"]), "floor_warm": _timing_dict(f["warm"])}
+
     def host_entry(call, fmt, n, stats):
         doc["host"].append({"call": call, "format": fmt, "n_tokens": n} | stats)
 
@@ -606,7 +644,9 @@ def run(plan) -> tuple[dict, int]:
                                    "gpu": {"cold": _timing_dict(t["cold"]), "warm": _timing_dict(t["warm"])},
                                    "floor": floor_timing(b["read"], b["write"]),
                                    "floor_layout": floor_timing(b["read"], b["write_layout"])
-                                   if b["write_layout"] != b["write"] else None, "host": None}
+                                   if b["write_layout"] != b["write"] else None, "host": None,
+                                   "chain": chain_timing(getattr(case, op), setup, b["read"], b["write"],
+                                                         buf.check)}
                             if plan.host:
                                 if op == "dispatch":
                                     h = host_cost(lambda i, timed: timed("cuep.dispatch",
@@ -664,6 +704,22 @@ def run(plan) -> tuple[dict, int]:
         streams.clear()
     bad = [r for r in doc["results"] if r["check"] != "ok"]
     return doc, 1 if doc["errors"] or bad else 0
+
+
+def _captured(fn: Callable[[], object], dev: int):
+    """``fn``'s launches on the current stream of ``dev``, captured into a ``cupy.cuda.graph.Graph`` (replayed on
+    that stream by ``graph.launch()``)."""
+    import cupy
+
+    with cupy.cuda.Device(dev):
+        stream = cupy.cuda.get_current_stream()
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            fn()
+        finally:
+            graph = stream.end_capture()
+    return graph
 
 
 def _recover(buf) -> None:
