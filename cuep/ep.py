@@ -1239,6 +1239,10 @@ def combine(buf: Buffer, expert_out, dispatched, topk_weights=None, *, residual=
     Returns:
         per local rank, [N, H] (or [N, K (+1), H]) in the combine dtype; reused by the next combine.
         Sums accumulate in float32. With ``fused_shared_expert`` the shared group's row t is added with weight 1.
+
+    A CUDA graph holds the arrays of its capture: replay a captured combine only after a dispatch of the same
+    ``topk_ids`` array (captured with it, or run with it before the replay). The host checks that pair each eager
+    call; a replay skips them, and a combine reading another dispatch's rows may fault.
     """
     out = _combine_single(buf, expert_out, dispatched, topk_weights, residual, _PHASES_ALL)
     if out is not None:
