@@ -515,7 +515,7 @@ def test_host_stats():
 
 
 def fake_floor_record(op="dispatch", fmt="fp8", n=128, us=(20.0, 15.0), floor_us=(6.0, 5.0), layout_us=7.5,
-                      host_us=40.0, blocked=False, chain_us=None):
+                      host_us=40.0, blocked=False, chain_us=None, launch_us=None):
     from cuep.bench import floor
 
     t = lambda v: timing.Timing([[[v] * 3], [[v] * 3]]).as_dict()  # noqa: E731
@@ -524,6 +524,8 @@ def fake_floor_record(op="dispatch", fmt="fp8", n=128, us=(20.0, 15.0), floor_us
            "gpu": {"cold": t(us[0]), "warm": t(us[1])}, "floor": {"cold": t(floor_us[0]), "warm": t(floor_us[1])},
            "floor_layout": {"cold": t(layout_us), "warm": t(layout_us)} if layout_us else None,
            "host": floor.host_stats([host_us] * 4) | {"blocked": blocked}}
+    if launch_us:  # (host_cost with a launch_ref)
+        rec["host"] |= {"launch_us": launch_us, "x_launch": host_us / launch_us}
     if chain_us:  # (op, floor) us per call, CHAIN_CALLS calls a run
         calls = floor.CHAIN_CALLS
         rec["chain"] = {"calls": calls, "warm": t(chain_us[0] * calls), "floor_warm": t(chain_us[1] * calls)}
@@ -558,6 +560,21 @@ def test_floor_derived_fields_and_table():
     assert lines[0].split()[:3] == ["op", "format", "N"] and "x floor warm" in lines[0] and "host us" in lines[0]
     assert "3.33" in lines[2] and "3.00" in lines[2] and "2.00" in lines[2] and lines[2].rstrip().endswith("40.0")
     assert "(blocked)" in lines[3]
+    ref = fake_floor_record(launch_us=8.0)  # host 40 us against a bare launch of 8 in the same batches
+    row = floor.floor_rows([ref])[0]
+    assert row[-1] == "40.0 (5.0x launch)"
+
+
+def test_host_rows_show_the_call_against_a_bare_launch():
+    """The host table gives each call's median over the bare launch timed beside it ("-" where there was none)."""
+    from cuep.bench import floor
+
+    st = floor.host_stats([12.0, 14.0]) | {"blocked": False}
+    with_ref = {"call": "cuep.dispatch", "format": "fp8", "n_tokens": 1} | st | {"launch_us": 4.0, "x_launch": 3.25}
+    bare = {"call": floor.LAUNCH_FLOOR_CALL, "format": "-", "n_tokens": 0} | st
+    rows = floor.host_rows([with_ref, bare])
+    assert len(floor.HOST_HEADER) == len(rows[0]) and floor.HOST_HEADER[4] == "x launch"
+    assert rows[0][3:5] == ("13.0", "3.25") and rows[1][4] == "-"
 
 
 def test_floor_report_prints_every_table(capsys):
@@ -662,6 +679,11 @@ def test_cli_floor_quick_end_to_end(tmp_path):
                      "cuep.combine_async", "cuep.combine_wait", "cuep.ops.quantize", "cuep.ops.fused_silu",
                      LAUNCH_FLOOR_CALL}
     assert all(not h["blocked"] and h["calls"] == 16 for h in doc["host"])
+    for h in doc["host"]:  # every call beside a bare launch of its own batches; the bare launch's row alone
+        if h["call"] == LAUNCH_FLOOR_CALL:
+            assert "x_launch" not in h
+        else:
+            assert h["launch_us"] > 0 and h["x_launch"] == pytest.approx(h["median_us"] / h["launch_us"])
     assert {(p["op"], p["split"]) for p in doc["phases"]} == {(op, s) for op in ("dispatch", "combine")
                                                                for s in ("fused", "halves", "phases")}
     assert all(s["warm_us"] > 0 for p in doc["phases"] for s in p["segments"])

@@ -34,9 +34,12 @@ with the weights given at dispatch (timed after an untimed bf16 dispatch). For e
   ``blocked``. Calls: ``cuep.dispatch`` and ``cuep.combine`` (the main table's column), ``dispatch_async`` /
   ``dispatch_wait``, ``combine_async`` / ``combine_wait``, ``cuep.ops.quantize`` (fp8 / nvfp4 / mxfp4 of x
   ``[N, H]``) and ``cuep.ops.fused_silu`` (h ``[N K, 2H]`` bf16, E groups), the ops with ``out=`` given. The
-  untimed work between timed calls (combine's dispatch) is queued behind the gate too. First row: a bare launch
-  of an empty kernel shaped like the dispatch's (``launch only``), the part of a call's host time that is the
-  driver's, not Python's (it differs several-fold between hosts).
+  untimed work between timed calls (combine's dispatch) is queued behind the gate too. ``launch only``: a bare
+  launch of an empty kernel shaped like the dispatch's, the part of a call's host time that is the driver's, not
+  Python's (it differs between hosts: 3.9 us on one H100 host, 6.5 on another). **x launch**: before every timed
+  call the same bare launch is timed too, and each call's median is given over the bare launch's of its own
+  batches, a ratio that holds across hosts and through a passing burst of host load (one such burst, after a
+  Buffer's memory is freed, doubles every call's time for about 0.1 s).
 * **back to back**: ``CHAIN_CALLS`` calls of the op captured in one CUDA graph, the graph's replay timed (warm,
   behind the gate) and divided by the calls, beside as many floor copies captured and timed the same way: what a
   model that replays its decode step as a graph sees (a graph starts each kernel sooner after the one before
@@ -82,7 +85,8 @@ SPLITS = ("fused", "halves", "phases")
 FLOOR_HEADER = ("op", "format", "N", "GPU us cold", "GPU us warm", "floor us cold", "floor us warm",
                 "x floor cold", "x floor warm", "layout floor us warm", "x layout warm", "host us")
 LAUNCH_FLOOR_CALL = "launch only (empty kernel)"  # the host table's row of kernels.launch_floor
-HOST_HEADER = ("call", "format", "N", "host us median", "p10", "p90", "calls", "note")
+_LAUNCH_REF = "(bare launch)"  # host_cost's label of its reference launch
+HOST_HEADER = ("call", "format", "N", "host us median", "x launch", "p10", "p90", "calls", "note")
 PHASES_HEADER = ("op", "format", "N", "split", "launch", "us cold", "us warm")
 CHAIN_HEADER = ("op", "format", "N", "us warm (one call)", "us per call (graph)", "floor us per call (graph)",
                 "x floor")
@@ -193,13 +197,18 @@ def host_stats(samples_us: Sequence[float]) -> dict:
 
 
 def host_cost(step: Callable[[int, Callable], object], dev: int, *, calls: int, batches: int,
-              gate_timeout_s: float = HOST_GATE_TIMEOUT_S, after: Callable[[], object] | None = None) -> dict:
+              gate_timeout_s: float = HOST_GATE_TIMEOUT_S, after: Callable[[], object] | None = None,
+              launch_ref: Callable[[], object] | None = None) -> dict:
     """Host time of the calls ``step`` makes while the GPU is held: ``{label: host_stats | {"blocked"}}``.
 
     ``step(i, timed)`` queues one iteration; ``timed(label, fn)`` calls ``fn()`` between two ``perf_counter``
     reads and returns its result (work outside ``timed`` is queued but not counted). Per batch: a gate kernel is
     queued, ``calls`` iterations run, the gate is released and the device drained; batch 0 is not counted.
     ``blocked`` is True if a gate timed out (a call waited for the GPU, so its time is not a launch cost).
+    ``launch_ref``: a bare launch, timed before each iteration; each label then also gets ``launch_us`` (its
+    median) and ``x_launch`` (the label's median over it): the call against a launch taken in the same moments,
+    which neither the host's speed nor a passing burst of its load moves much (a host whose bare launch costs
+    6.5 us instead of 3.9 runs every call slower in proportion).
     """
     from . import timing
 
@@ -221,6 +230,8 @@ def host_cost(step: Callable[[int, Callable], object], dev: int, *, calls: int, 
             gate.launch()
             try:
                 for j in range(calls):
+                    if launch_ref is not None:
+                        timed(_LAUNCH_REF, launch_ref)
                     step(b * calls + j, timed)
             finally:
                 gate.release()  # also when a call raised: never leave the GPU spinning
@@ -233,7 +244,14 @@ def host_cost(step: Callable[[int, Callable], object], dev: int, *, calls: int, 
                 after()
     finally:
         gate.close()
-    return {label: host_stats(v) | {"blocked": blocked} for label, v in samples.items()}
+    ref = samples.pop(_LAUNCH_REF, None)
+    out = {label: host_stats(v) | {"blocked": blocked} for label, v in samples.items()}
+    if ref:
+        ref_us = statistics.median(ref)
+        for st in out.values():
+            st["launch_us"] = ref_us
+            st["x_launch"] = st["median_us"] / ref_us if st["median_us"] is not None and ref_us > 0 else None
+    return out
 
 
 def _segment_series(launches, dev, *, runs, warmup, flush, gate, setup, start_index) -> list[list[float]]:
@@ -472,6 +490,8 @@ def floor_rows(results: list[dict]) -> list[tuple]:
     rows = []
     for r in results:
         host = _fmt(r.get("host_us"))
+        if (r.get("host") or {}).get("x_launch") is not None:
+            host += f" ({r['host']['x_launch']:.1f}x launch)"
         if r.get("host") and r["host"].get("blocked"):
             host += " (blocked)"
         rows.append((r["op"], r["format"], r["n_tokens"], _fmt(r["us_cold"]), _fmt(r["us_warm"]),
@@ -488,8 +508,9 @@ def chain_rows(results: list[dict]) -> list[tuple]:
 
 
 def host_rows(host: list[dict]) -> list[tuple]:
-    return [(h["call"], h["format"], h["n_tokens"], _fmt(h["median_us"]), _fmt(h["p10_us"]), _fmt(h["p90_us"]),
-             h["calls"], "blocked: waited on the GPU" if h.get("blocked") else "") for h in host]
+    return [(h["call"], h["format"], h["n_tokens"], _fmt(h["median_us"]), _fmt(h.get("x_launch"), ".2f"),
+             _fmt(h["p10_us"]), _fmt(h["p90_us"]), h["calls"], "blocked: waited on the GPU" if h.get("blocked")
+             else "") for h in host]
 
 
 def phases_rows(phases: list[dict]) -> list[tuple]:
@@ -562,6 +583,10 @@ def run(plan) -> tuple[dict, int]:
            "results": [], "host": [], "phases": [], "errors": []}
     kw = dict(repeats=plan.repeats, warmup=plan.warmup, series=plan.series, flusher=flusher, gate=gate)
     hkw = dict(calls=plan.host_calls, batches=plan.host_batches)
+    if plan.host:  # every call's host time beside a bare launch timed in the same moments (x launch)
+        with cupy.cuda.Device(dev):
+            bare, sms = kernels.launch_floor(), kernels._sm_count(dev)
+        hkw["launch_ref"] = lambda: bare(sms, 0)
     inputs: dict[int, object] = {}
     scratch: dict[str, object] = {}
 
@@ -762,7 +787,7 @@ def _host_launch_floor(dev, hkw, host_entry) -> None:
 
     with cupy.cuda.Device(dev):
         launch, sms = launch_floor(), _sm_count(dev)
-        st = host_cost(lambda i, timed: timed("l", lambda: launch(sms, 0)), dev, **hkw)
+        st = host_cost(lambda i, timed: timed("l", lambda: launch(sms, 0)), dev, **(hkw | {"launch_ref": None}))
     host_entry(LAUNCH_FLOOR_CALL, "-", 0, st["l"])
 
 
