@@ -146,23 +146,40 @@ def test_local_rounds_other_shapes(fmt, rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shared", [False, True], ids=["routed", "shared_expert"])
+def test_fewest_token_local_rounds(fmt, shared, rng):
+    """The fewest tokens a small round can have, where a round's choices fit one warp's lanes (N <= 32 / W, W the
+    power of two >= K): every N up to that limit and the first two past it, top_k 8, 3 and 1, skewed routing (most
+    choices on few experts), weights at combine with a residual, each against the reference."""
+    for top_k, limit in ((8, 4), (3, 8), (1, 32)):
+        cfg, buf = make(dispatch_format=fmt, fused_shared_expert=shared, top_k=top_k)
+        for n in list(range(limit + 3)) + [1]:
+            run_round(buf, cfg, rng, [n], weights_at="dispatch")
+        run_round(buf, cfg, rng, [limit], skew=True)
+        run_round(buf, cfg, rng, [2], weights_at="combine", residual=True)
+        buf.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, bad_token, dup_token", [(8, 3, 5), (3, 2, 1)], ids=["small", "tiny"])
 @pytest.mark.parametrize("bad", ["out_of_range", "duplicate"])
-def test_local_round_reports_bad_routing(rng, bad):
+def test_local_round_reports_bad_routing(rng, bad, n, bad_token, dup_token):
     cfg, buf = make()
-    xs, ids, ws = make_inputs(rng, cfg, [8])
+    xs, ids, ws = make_inputs(rng, cfg, [n])
     if bad == "out_of_range":
-        ids[0][3, 2] = cfg.n_experts + 5
-        want = rf"expert id out of range \(expert id {cfg.n_experts + 5}, token 3\)"
+        ids[0][bad_token, 2] = cfg.n_experts + 5
+        want = rf"expert id out of range \(expert id {cfg.n_experts + 5}, token {bad_token}\)"
     else:
-        ids[0][5, 3] = ids[0][5, 1]
-        want = rf"same expert twice in one token's top-k \(expert id {int(ids[0][5, 1])}, token 5\)"
+        ids[0][dup_token, 3] = ids[0][dup_token, 1]
+        want = rf"same expert twice in one token's top-k \(expert id {int(ids[0][dup_token, 1])}, token {dup_token}\)"
     gx, gids, gws = to_devices(buf.group, xs), to_devices(buf.group, ids), to_devices(buf.group, ws)
     with pytest.raises(cuep.EPError, match=want):
         cuep.dispatch(buf, gx, gids, gws)
         buf.synchronize()
     assert local_launches(buf) == 1
     buf.reset()
-    run_round(buf, cfg, rng, [8])  # a good round after reset
+    run_round(buf, cfg, rng, [n])  # a good round after reset
     buf.close()
 
 
