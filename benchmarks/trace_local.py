@@ -90,16 +90,12 @@ def _place(out: str, name: str, anchor: str, where: str, guard: str, slot: int) 
         tp = f"__syncthreads(); {tp}"
     if guard:
         tp = f"if ({guard}) {{ {tp} }}"
-    if where == "before":
-        code = f"    {tp}\n" + anchor
-    elif where == "after":
-        code = anchor + f"    {tp}\n"
-    elif where == "inside":  # after the anchor's first line
+    if where == "inside":  # after the anchor's first line
         first, rest = anchor.split("\n", 1)
         code = first + f"\n    {tp}\n" + rest
-    elif where == "sync-after":  # the block's last warp is done
+    elif where.endswith("after"):  # after, sync-after (the block's last warp is done)
         code = anchor + f"    {tp}\n"
-    else:  # sync-before
+    else:  # before, sync-before
         code = f"    {tp}\n" + anchor
     return out.replace(anchor, code)
 
