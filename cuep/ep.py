@@ -307,6 +307,7 @@ _WARP_SPAN = 256      # kWarpSpan (formats/elements.cuh): values per warp step
 _ENCODE_STEPS = 4     # kEncodeSteps (dispatch.cu): spans per encode step
 _MAX_CHUNKS = 255     # kMaxChunks (dispatch/messages.cuh)
 _MIN_PAD_WARPS = 4    # kMinPadWarps (dispatch/local.cuh): a block's warps left free for padding
+_PARTS_SHIFT = 28     # kPartsShift (dispatch/local.cuh): where a small round's plan keeps log2 of its parts
 
 
 def _chunk_units(items: int, units: int, align: int, warps: int) -> int:
@@ -324,13 +325,16 @@ def _pack_plan(per: int, units: int) -> int:
     return per | chunks << 16 if per < 1 << 16 and chunks < 1 << 15 else 0
 
 
-def _small_round_chunks(n: int, hidden: int, blocks: int, warps: int, quantized: bool) -> int:
+def _small_round_chunks(n: int, hidden: int, blocks: int, warps: int, quantized: bool, top_k: int = 1) -> int:
     """How a small one-rank round of ``n`` tokens cuts each token row into items (one warp each) on a grid of
-    ``blocks`` x ``warps`` warps: ``spans | chunks << 16`` (spans of 256 values per chunk, chunks per token).
+    ``blocks`` x ``warps`` warps: ``spans | chunks << 16 | log2(parts) << 28`` (spans of 256 values per chunk,
+    items per (token, chunk), chunks per token).
 
     Chunks split a token only while warps outnumber tokens (at most kMaxChunks per token); a quantized round whose
     items would leave fewer than kMinPadWarps warps of a block free for padding takes chunks of whole encode steps,
-    as few as make that room. The kernel takes any plan that covers the row exactly.
+    as few as make that room. While the (token, chunk) pairs are no more than the blocks, each pair's rows are split
+    over parts (a power of two, at most ``top_k`` and the warps' share, and leaving a quantized round its padding
+    room). The kernel takes any plan that covers the row exactly.
     """
     n_spans = ceil_div(hidden, _WARP_SPAN)
     grid_warps = blocks * warps
@@ -340,7 +344,15 @@ def _small_round_chunks(n: int, hidden: int, blocks: int, warps: int, quantized:
         max_chunks = min(room // n, n_spans) if n > 0 else n_spans
         if max_chunks > 0 and ceil_div(n_spans, spans) > max_chunks:
             spans = ceil_div(ceil_div(n_spans, max_chunks), _ENCODE_STEPS) * _ENCODE_STEPS
-    return _pack_plan(spans, n_spans)
+    plan = _pack_plan(spans, n_spans)
+    pairs = n * ceil_div(n_spans, spans)
+    if plan and 0 < pairs <= blocks:
+        most = min(top_k, grid_warps // pairs, 32)
+        if quantized:
+            most = min(most, (grid_warps - _MIN_PAD_WARPS * blocks) // pairs)
+        if most > 1:
+            plan |= (most.bit_length() - 1) << _PARTS_SHIFT
+    return plan
 
 
 def _combine_chunks(n: int, hidden: int, blocks: int, warps: int) -> int:
@@ -481,8 +493,8 @@ def _dispatch_plan(buf: Buffer, host: _Host, i: int, ph: int, src: str, route: i
         launch = host.plans[key] = _prepared(buf, i, f"dispatch.cu:cuep_dispatch_{kind}{host.fmt}_from_{src}",
                                              threads, smem)
         if route == 1 and src not in host.chunks:
-            host.chunks[src] = [_small_round_chunks(n, host.hidden, buf.num_sms, threads // 32, host.fmt != "bf16")
-                                for n in range(host.small + 1)]
+            host.chunks[src] = [_small_round_chunks(n, host.hidden, buf.num_sms, threads // 32, host.fmt != "bf16",
+                                                    host.top_k) for n in range(host.small + 1)]
     return launch
 
 

@@ -564,7 +564,10 @@ def test_small_round_chunks_use_the_kernels_constants():
     assert int(consts["kMinPadWarps"]) == ep._MIN_PAD_WARPS
     assert int(consts["kWarp"]) * int(consts["kLaneValues"]) == ep._WARP_SPAN
     assert int(re.search(r"#define CUEP_DISPATCH_ENCODE_STEPS (\d+)", text).group(1)) == ep._ENCODE_STEPS
-    assert "take_chunk_plan(a.chunk_plan, n_spans," in (src / "dispatch" / "local.cuh").read_text()
+    assert int(consts["kPartsShift"]) == ep._PARTS_SHIFT
+    local = (src / "dispatch" / "local.cuh").read_text()
+    assert "take_chunk_plan(a.chunk_plan & ~(7 << kPartsShift), n_spans," in local
+    assert "lp = (a.chunk_plan >> kPartsShift) & 7;" in local
     assert "const int p = plan & 0xffff, c = plan >> 16;" in (src / "ep" / "sync.cuh").read_text()  # unpacking
 
 
@@ -579,23 +582,36 @@ def test_small_round_chunks_known_cases():
     assert plan(128, 7168, 132, 16, True) == 4 | 7 << 16
     assert plan(256, 7168, 1, 16, False) == 28 | 1 << 16
     assert plan(0, 7168, 132, 16, True) == 28 | 1 << 16  # (no tokens: one chunk, as the kernel had it)
+    # top_k = 8: while the (token, chunk) pairs are no more than the blocks, each pair's rows split over 8 parts
+    assert plan(1, 7168, 132, 16, False, 8) == 1 | 28 << 16 | 3 << 28
+    assert plan(4, 7168, 132, 16, True, 8) == 1 | 28 << 16 | 3 << 28
+    assert plan(5, 7168, 132, 16, False, 8) == 1 | 28 << 16  # 140 pairs: more than the blocks
+    assert plan(1, 7168, 132, 16, False, 3) == 1 | 28 << 16 | 1 << 28  # parts: a power of two <= top_k
+    assert plan(4, 7168, 132, 2, True, 8) == 1 | 28 << 16  # two warps a block: no padding room, no parts
 
 
 @pytest.mark.parametrize("quantized", [False, True])
 @pytest.mark.parametrize("hidden", [8, 128, 256, 2048, 7168, 7200, 16384, 1 << 20])
 @pytest.mark.parametrize("blocks,warps", [(1, 1), (1, 16), (16, 8), (132, 16), (132, 4)])
-def test_small_round_chunks_cover_each_row_exactly(quantized, hidden, blocks, warps):
+@pytest.mark.parametrize("top_k", [1, 3, 8])
+def test_small_round_chunks_cover_each_row_exactly(quantized, hidden, blocks, warps, top_k):
     """Every N of a small round: the chunks cover the row's spans exactly (as the kernel requires; otherwise it
-    falls back), at most kMaxChunks a token, whole encode steps where quantization shortened them."""
+    falls back), at most kMaxChunks a token, whole encode steps where quantization shortened them; parts only while
+    the (token, chunk) pairs are no more than the blocks, a power of two at most top_k, the items within the warps
+    (a quantized round's leaving kMinPadWarps a block)."""
     n_spans = -(-hidden // 256)
+    grid_warps = blocks * warps
     for n in range(0, 257):
-        packed = ep._small_round_chunks(n, hidden, blocks, warps, quantized)
-        spans, chunks = packed & 0xFFFF, packed >> 16
-        assert 0 < packed < 2**31
+        packed = ep._small_round_chunks(n, hidden, blocks, warps, quantized, top_k)
+        spans, chunks, parts = packed & 0xFFFF, packed >> 16 & 0xFFF, 1 << (packed >> 28 & 7)
+        assert 0 < packed < 2**31 and parts <= 32 and packed >> 16 & 0xF00 == 0  # (bits 28..30: the parts)
         assert spans >= 1 and chunks >= 1 and (chunks - 1) * spans < n_spans <= chunks * spans, (n, packed)
         assert chunks <= ep._MAX_CHUNKS
         if n and chunks > 1:
-            assert chunks <= max(1, blocks * warps // n)  # no more chunks than the token's share of warps
+            assert chunks <= max(1, grid_warps // n)  # no more chunks than the token's share of warps
+        if parts > 1:
+            assert n * chunks <= blocks and parts <= top_k
+            assert n * chunks * parts <= grid_warps - (ep._MIN_PAD_WARPS * blocks if quantized else 0)
 
 
 @pytest.mark.parametrize("hidden", [8, 128, 256, 2048, 7168, 7200, 16384])

@@ -248,7 +248,13 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
     // A quantized larger round's chunks are whole encode steps too (rounded up: a 7-span chunk is one 4-span step
     // and three of one span, each waiting on its loads): H100, N = 384 .. 1024, every format 1.7-5.8% faster cold.
     constexpr int kMinPadWarps = 4;
-    int spans_per_chunk = 1, n_chunks = 1, n_items = 0;
+    // A small round with no more (token, chunk) pairs than blocks splits each pair's rows over 1 << lp items (part
+    // p places choices k with k % (1 << lp) == p; the shared-expert row and the combine's positions: part 0): a warp
+    // storing its chunk to all 8 rows of an N = 1 token took 0.64 us and its block ended 1.2 us after the others
+    // (H100 A/B against 335bab7, N = 1 .. 4, warm: bf16 7% faster, fp8 / nvfp4 / mxfp4 3-5%; N >= 5 unchanged).
+    // lp comes with the host's plan (bits kPartsShift.. of its chunks field; cuep/ep.py _small_round_chunks).
+    constexpr int kPartsShift = 28;
+    int spans_per_chunk = 1, n_chunks = 1, n_items = 0, lp = 0;
     auto whole_steps = [](int spans) { return (spans + kEncodeSteps - 1) / kEncodeSteps * kEncodeSteps; };
     // A small round's chunks come from the host (a.chunk_plan, cuep/ep.py _small_round_chunks: the rule above for
     // this grid, worked out once per N): its five dependent divisions here held every warp's first loads back, 3-7%
@@ -256,7 +262,9 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
     // per chunk (at most kMaxChunks a token): right at any N, only slower.
     auto plan = [&]() {
         if constexpr (kBook) {
-            if (!take_chunk_plan(a.chunk_plan, n_spans, &spans_per_chunk, &n_chunks)) {
+            if (take_chunk_plan(a.chunk_plan & ~(7 << kPartsShift), n_spans, &spans_per_chunk, &n_chunks)) {
+                lp = (a.chunk_plan >> kPartsShift) & 7;
+            } else {
                 spans_per_chunk = (n_spans + kMaxChunks - 1) / kMaxChunks;
                 n_chunks = (n_spans + spans_per_chunk - 1) / spans_per_chunk;
             }
@@ -266,7 +274,7 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
             if (FMT != kFmtBf16) spans_per_chunk = whole_steps(spans_per_chunk);
             n_chunks = (n_spans + spans_per_chunk - 1) / spans_per_chunk;
         }
-        n_items = N * n_chunks;  // (fits an int: chunks split a token only while warps outnumber tokens)
+        n_items = N * n_chunks << lp;  // (fits an int: chunks and parts split a token only while warps outnumber it)
     };
     if (!kBook) plan();
     const long long pb = ep.payload_bytes;
@@ -289,7 +297,7 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
     auto prepare = [&]() {
         plan();
         if (!kPrepares || item0 >= n_items) return;
-        const int t = item0 / n_chunks, ch = item0 % n_chunks;
+        const int t = (item0 >> lp) / n_chunks, ch = (item0 >> lp) % n_chunks;
         const ChunkBytes<FMT> cb(ch, spans_per_chunk, n_chunks, H, pb, sb);
         const T* x_row = static_cast<const T*>(a.x) + static_cast<long long>(t) * H;
         if constexpr (kFromX) {
@@ -377,13 +385,13 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
     int* pos_out = local_choice_pos(ep);
     for (int item = item0; item < n_items; item += grid_warps) {
         const bool prepared = kPrepares && item == item0;  // (its weights, first vectors or encode: prepare())
-        const int t = item / n_chunks, ch = item % n_chunks;
+        const int part = item & ((1 << lp) - 1), t = (item >> lp) / n_chunks, ch = (item >> lp) % n_chunks;
         const ChunkBytes<FMT> cb(ch, spans_per_chunk, n_chunks, H, pb, sb);
         const int c_lo = cb.c_lo, c_hi = cb.c_hi, s_lo = cb.s_lo, s_hi = cb.s_hi;
         const bool last = cb.last;
         const long long p_lo = cb.p_lo, p_hi = cb.p_hi;
         const T* x_row = static_cast<const T*>(a.x) + static_cast<long long>(t) * H;
-        const bool shared = sh && t >= s_shared_lo && t < s_shared_lo + s_shared_n;
+        const bool shared = sh && part == 0 && t >= s_shared_lo && t < s_shared_lo + s_shared_n;
         // lane k: choice k's position in its group (-1: none); larger rounds: local_count's
         int p = -1, e = 0;
         if (lane < K) {
@@ -395,8 +403,9 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
                 if (p >= 0) e = a.topk_ids[static_cast<long long>(t) * K + lane];
             }
         }
+        if (kBook && ch == 0 && part == 0 && lane < K) pos_out[t * K + lane] = p;  // for the one-rank combine
+        if ((lane & ((1 << lp) - 1)) != part) p = -1;  // another part's row
         const unsigned rows = __ballot_sync(0xffffffffu, p >= 0);
-        if (kBook && ch == 0 && lane < K) pos_out[t * K + lane] = p;  // for the one-rank combine
         if (!rows && !shared) continue;
         const uint8_t* payload;
         if constexpr (kFromX) {
