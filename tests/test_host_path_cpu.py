@@ -604,7 +604,7 @@ def test_small_round_chunks_cover_each_row_exactly(quantized, hidden, blocks, wa
     for n in range(0, 257):
         packed = ep._small_round_chunks(n, hidden, blocks, warps, quantized, top_k)
         spans, chunks, parts = packed & 0xFFFF, packed >> 16 & 0xFFF, 1 << (packed >> 28 & 7)
-        assert 0 < packed < 2**31 and parts <= 32 and packed >> 16 & 0xF00 == 0  # (bits 28..30: the parts)
+        assert 0 < packed < 2**31 and parts <= 32 and packed >> 16 & 0xF00 == 0  # (bits 24..27 unused, 28..30 the parts)
         assert spans >= 1 and chunks >= 1 and (chunks - 1) * spans < n_spans <= chunks * spans, (n, packed)
         assert chunks <= ep._MAX_CHUNKS
         if n and chunks > 1:
