@@ -332,9 +332,9 @@ def _small_round_chunks(n: int, hidden: int, blocks: int, warps: int, quantized:
 
     Chunks split a token only while warps outnumber tokens (at most kMaxChunks per token); a quantized round whose
     items would leave fewer than kMinPadWarps warps of a block free for padding takes chunks of whole encode steps,
-    as few as make that room. While the (token, chunk) pairs are no more than the blocks, each pair's rows are split
-    over parts (a power of two, at most ``top_k`` and the warps' share, and leaving a quantized round its padding
-    room). The kernel takes any plan that covers the row exactly.
+    as few as make that room. While the (token, chunk) pairs are at most twice the blocks, each pair's rows are split
+    over parts (a power of two, at most ``top_k``, at most 8 items a block, and leaving a quantized round its
+    padding room). The kernel takes any plan that covers the row exactly.
     """
     n_spans = ceil_div(hidden, _WARP_SPAN)
     grid_warps = blocks * warps
@@ -346,8 +346,8 @@ def _small_round_chunks(n: int, hidden: int, blocks: int, warps: int, quantized:
             spans = ceil_div(ceil_div(n_spans, max_chunks), _ENCODE_STEPS) * _ENCODE_STEPS
     plan = _pack_plan(spans, n_spans)
     pairs = n * ceil_div(n_spans, spans)
-    if plan and 0 < pairs <= blocks:
-        most = min(top_k, grid_warps // pairs, 32)
+    if plan and 0 < pairs <= 2 * blocks:
+        most = min(top_k, grid_warps // pairs, 8 * blocks // pairs, 32)
         if quantized:
             most = min(most, (grid_warps - _MIN_PAD_WARPS * blocks) // pairs)
         if most > 1:

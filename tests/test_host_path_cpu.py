@@ -582,10 +582,11 @@ def test_small_round_chunks_known_cases():
     assert plan(128, 7168, 132, 16, True) == 4 | 7 << 16
     assert plan(256, 7168, 1, 16, False) == 28 | 1 << 16
     assert plan(0, 7168, 132, 16, True) == 28 | 1 << 16  # (no tokens: one chunk, as the kernel had it)
-    # top_k = 8: while the (token, chunk) pairs are no more than the blocks, each pair's rows split over 8 parts
+    # top_k = 8: while the (token, chunk) pairs are at most twice the blocks, each pair's rows split over parts
     assert plan(1, 7168, 132, 16, False, 8) == 1 | 28 << 16 | 3 << 28
     assert plan(4, 7168, 132, 16, True, 8) == 1 | 28 << 16 | 3 << 28
-    assert plan(5, 7168, 132, 16, False, 8) == 1 | 28 << 16  # 140 pairs: more than the blocks
+    assert plan(5, 7168, 132, 16, False, 8) == 1 | 28 << 16 | 2 << 28  # 140 pairs: 4 parts (8 items a block)
+    assert plan(10, 7168, 132, 16, False, 8) == 1 | 28 << 16  # 280 pairs: more than twice the blocks
     assert plan(1, 7168, 132, 16, False, 3) == 1 | 28 << 16 | 1 << 28  # parts: a power of two <= top_k
     assert plan(4, 7168, 132, 2, True, 8) == 1 | 28 << 16  # two warps a block: no padding room, no parts
 
@@ -597,8 +598,8 @@ def test_small_round_chunks_known_cases():
 def test_small_round_chunks_cover_each_row_exactly(quantized, hidden, blocks, warps, top_k):
     """Every N of a small round: the chunks cover the row's spans exactly (as the kernel requires; otherwise it
     falls back), at most kMaxChunks a token, whole encode steps where quantization shortened them; parts only while
-    the (token, chunk) pairs are no more than the blocks, a power of two at most top_k, the items within the warps
-    (a quantized round's leaving kMinPadWarps a block)."""
+    the (token, chunk) pairs are at most twice the blocks, a power of two at most top_k, at most 8 items a block,
+    the items within the warps (a quantized round's leaving kMinPadWarps a block)."""
     n_spans = -(-hidden // 256)
     grid_warps = blocks * warps
     for n in range(0, 257):
@@ -610,7 +611,7 @@ def test_small_round_chunks_cover_each_row_exactly(quantized, hidden, blocks, wa
         if n and chunks > 1:
             assert chunks <= max(1, grid_warps // n)  # no more chunks than the token's share of warps
         if parts > 1:
-            assert n * chunks <= blocks and parts <= top_k
+            assert n * chunks <= 2 * blocks and parts <= top_k and n * chunks * parts <= 8 * blocks
             assert n * chunks * parts <= grid_warps - (ep._MIN_PAD_WARPS * blocks if quantized else 0)
 
 

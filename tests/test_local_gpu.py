@@ -162,6 +162,21 @@ def test_fewest_token_local_rounds(fmt, shared, rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_decode_shape_row_parts(fmt, rng):
+    """The decode shape (H = 7168, K = 8, E = 256) at every N whose rows the host splits over parts (8, 4, 2 parts
+    while the (token, chunk) pairs are at most twice the blocks; cuep/ep.py _small_round_chunks) and past it, a
+    shared expert, weights at dispatch and at combine, each round against the reference."""
+    cfg, buf = make(dispatch_format=fmt, hidden=7168, n_experts=256, max_tokens_per_rank=64, small_batch_tokens=64,
+                    fused_shared_expert=True)
+    for n in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17, 24, 33, 64, 1):
+        run_round(buf, cfg, rng, [n], weights_at="dispatch")
+    run_round(buf, cfg, rng, [6], weights_at="combine", residual=True)
+    assert local_launches(buf) == 1
+    buf.close()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("n, bad_token, dup_token", [(8, 3, 5), (3, 2, 1)], ids=["small", "tiny"])
 @pytest.mark.parametrize("bad", ["out_of_range", "duplicate"])
 def test_local_round_reports_bad_routing(rng, bad, n, bad_token, dup_token):

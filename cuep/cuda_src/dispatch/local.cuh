@@ -248,10 +248,11 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
     // A quantized larger round's chunks are whole encode steps too (rounded up: a 7-span chunk is one 4-span step
     // and three of one span, each waiting on its loads): H100, N = 384 .. 1024, every format 1.7-5.8% faster cold.
     constexpr int kMinPadWarps = 4;
-    // A small round with no more (token, chunk) pairs than blocks splits each pair's rows over 1 << lp items (part
-    // p places choices k with k % (1 << lp) == p; the shared-expert row and the combine's positions: part 0): a warp
-    // storing its chunk to all 8 rows of an N = 1 token took 0.64 us and its block ended 1.2 us after the others
-    // (H100 A/B against 335bab7, N = 1 .. 4, warm: bf16 7% faster, fp8 / nvfp4 / mxfp4 3-5%; N >= 5 unchanged).
+    // A small round with at most twice as many (token, chunk) pairs as blocks splits each pair's rows over 1 << lp
+    // items (part p places choices k with k % (1 << lp) == p; the shared-expert row and the combine's positions:
+    // part 0): a warp storing its chunk to all 8 rows of an N = 1 token took 0.64 us and its block ended 1.2 us
+    // after the others. H100 A/B, warm: N = 1 .. 4 (8 parts) bf16 7% faster, fp8 / nvfp4 / mxfp4 3-5%; N = 5, 8
+    // (4 parts) 3-5%; N = 16 (2 parts) 0.97-0.99 warm, 0.98-1.02 cold, so not taken; N >= 32 unchanged.
     // lp comes with the host's plan (bits kPartsShift.. of its chunks field; cuep/ep.py _small_round_chunks).
     constexpr int kPartsShift = 28;
     int spans_per_chunk = 1, n_chunks = 1, n_items = 0, lp = 0;
