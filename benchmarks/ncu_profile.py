@@ -1,0 +1,244 @@
+#!/usr/bin/env python3
+"""Where a kernel's cycles go, from Nsight Compute (issue 24, items 2 and 5): instructions per warp, the cycles a
+warp spends per issued instruction by stall reason, how busy the issue slots are, and the SM issue bound.
+
+    PYTHONPATH=. python3 benchmarks/ncu_profile.py                    # decode: one-rank dispatch + combine
+    PYTHONPATH=. python3 benchmarks/ncu_profile.py --formats fp8 --tokens 1 32 --out out/ncu
+    PYTHONPATH=. python3 benchmarks/ncu_profile.py --ops --formats nvfp4 mxfp4 fp8 --tokens 32768   # fused SwiGLU
+    python3 benchmarks/ncu_profile.py --parse report.txt [--sms 132]   # a saved ncu report, no GPU
+    python3 benchmarks/ncu_profile.py --dry-run                        # the ncu command lines, no GPU
+
+Each case runs in a child process under ``ncu`` (found on PATH, under $CUDA_HOME or /usr/local/cuda):
+* decode (default): one real rank, H = 7168, K = 8, E = 256, weights at dispatch; 14 rounds of ``cuep.dispatch`` +
+  ``cuep.combine``, the 11th round's two kernels profiled with the caches as the rounds left them (warm, as the
+  bench's warm figures); ``--tokens`` are N per round;
+* ``--ops``: ``cuep.ops.fused_silu`` from bf16 (benchmarks/bench_ops.py's case: I = 7168, 8 groups), the third call
+  profiled with the caches flushed (cold, as bench_ops); ``--tokens`` are rows.
+Clocks are left as they run (``--clock-control none``). Per kernel it prints the duration, instructions per warp, the
+cycles per issued instruction (the sum of ncu's per-issue stall ratios, "selected" = the issue itself) and its
+largest parts, the issue slots' busy share of active cycles, and the issue bound: warp instructions / (4 a cycle x
+SMs) against the elapsed cycles (a kernel at 1.0 issues every cycle of every sub-partition). Raw reports and
+``ncu_profile.json`` go under ``--out``. Nothing is asserted; figures: BENCHMARKS.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+H, K, E = 7168, 8, 256
+FORMATS = ("bf16", "fp8", "nvfp4", "mxfp4")
+DECODE_ROUNDS, DECODE_SKIP = 14, 20  # rounds run; kernels skipped before the profiled dispatch + combine
+OPS_CALLS, OPS_SKIP = 4, 2
+STALL = "smsp__average_warps_issue_stalled_"
+METRICS = (
+    "gpu__time_duration.sum", "launch__grid_size", "launch__block_size", "launch__registers_per_thread",
+    "smsp__inst_executed.sum", "sm__cycles_elapsed.avg", "smsp__cycles_active.avg",
+    "smsp__issue_active.avg.pct_of_peak_sustained_active", "sm__warps_active.avg.pct_of_peak_sustained_active",
+    "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+    "sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active",
+    "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active",
+    "regex:" + STALL + r".*_per_issue_active\.ratio",
+)
+_HEADER = re.compile(r"^\s{2}(\S+) \((\d+), (\d+), (\d+)\)x\((\d+), (\d+), (\d+)\), Context")
+_METRIC = re.compile(r"^\s{4}([a-z][a-z0-9_.]*)\s+(?:\S+\s+)?([0-9][0-9,]*(?:\.[0-9]+)?)\s*$")
+
+
+@dataclass
+class KernelReport:
+    """One profiled launch: its name, grid and block sizes, and every metric ncu printed (name -> value)."""
+    name: str
+    grid: int
+    block: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def parse_report(text: str) -> list[KernelReport]:
+    """The kernels of an ncu text report (``ncu --metrics ...``'s default output), in the order printed."""
+    out: list[KernelReport] = []
+    for line in text.splitlines():
+        m = _HEADER.match(line)
+        if m:
+            g = [int(v) for v in m.groups()[1:]]
+            out.append(KernelReport(m.group(1), g[0] * g[1] * g[2], g[3] * g[4] * g[5]))
+            continue
+        m = _METRIC.match(line)
+        if m and out:
+            out[-1].metrics[m.group(1)] = float(m.group(2).replace(",", ""))
+    return out
+
+
+def summarize(k: KernelReport, sms: int, top: int = 6) -> dict:
+    """Derived figures of one launch (see the module doc). Raises KeyError naming a metric the report lacks."""
+    m = k.metrics
+    for need in ("smsp__inst_executed.sum", "sm__cycles_elapsed.avg"):
+        if need not in m:
+            raise KeyError(f"{k.name}: the report has no {need}")
+    warps = k.grid * k.block // 32
+    stalls = {name[len(STALL):-len("_per_issue_active.ratio")]: v for name, v in m.items()
+              if name.startswith(STALL) and name.endswith("_per_issue_active.ratio")}
+    inst = m["smsp__inst_executed.sum"]
+    bound_cycles = inst / (4 * sms)
+    largest = sorted(((r, v) for r, v in stalls.items() if r != "selected" and v >= 0.05), key=lambda rv: -rv[1])
+    return {
+        "kernel": k.name, "grid": k.grid, "block": k.block, "us": m.get("gpu__time_duration.sum"),
+        "warp_instructions": inst, "instructions_per_warp": inst / warps if warps else 0.0,
+        "cycles_per_instruction": sum(stalls.values()) if stalls else None,
+        "stalls": dict(largest[:top]),
+        "issue_busy_pct": m.get("smsp__issue_active.avg.pct_of_peak_sustained_active"),
+        "issue_bound_cycles": bound_cycles, "elapsed_cycles": m["sm__cycles_elapsed.avg"],
+        "of_issue_bound": bound_cycles / m["sm__cycles_elapsed.avg"],
+    }
+
+
+def format_table(rows: list[dict]) -> str:
+    """The printed table: one line per launch, its case first."""
+    head = (f"{'case':20s} {'kernel':36s} {'us':>8s} {'inst/warp':>10s} {'cyc/inst':>8s} {'issue %':>7s} "
+            f"{'of bound':>8s}  largest stalls (cycles per issued instruction)")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        cpi = "-" if r["cycles_per_instruction"] is None else f"{r['cycles_per_instruction']:.2f}"
+        busy = "-" if r["issue_busy_pct"] is None else f"{r['issue_busy_pct']:.1f}"
+        us = "-" if r["us"] is None else f"{r['us']:.2f}"
+        stalls = ", ".join(f"{k} {v:.2f}" for k, v in r["stalls"].items())
+        lines.append(f"{r.get('case', '')[:20]:20s} {r['kernel'][:36]:36s} {us:>8s} {r['instructions_per_warp']:10.1f} "
+                     f"{cpi:>8s} {busy:>7s} {r['of_issue_bound']:8.2f}  {stalls}")
+    return "\n".join(lines)
+
+
+def find_ncu() -> str:
+    """The ncu executable: PATH, then $CUDA_HOME/bin, then /usr/local/cuda/bin. Raises FileNotFoundError."""
+    for cand in (shutil.which("ncu"), os.path.join(os.environ.get("CUDA_HOME", ""), "bin", "ncu"),
+                 "/usr/local/cuda/bin/ncu"):
+        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+    raise FileNotFoundError("ncu (Nsight Compute) not found on PATH, under $CUDA_HOME/bin or /usr/local/cuda/bin")
+
+
+def ncu_command(ncu: str, op: str, fmt: str, n: int) -> list[str]:
+    """The ncu command line profiling one case (``op`` "decode" or "silu") of this script's child mode."""
+    if op == "decode":
+        regex, skip, count, cache = "regex:cuep_(dispatch|combine)_local", DECODE_SKIP, 2, "none"
+    else:
+        regex, skip, count, cache = f"regex:fused_silu_{fmt}_", OPS_SKIP, 1, "all"
+    return [ncu, "--cache-control", cache, "--clock-control", "none", "-k", regex, "--launch-skip", str(skip),
+            "--launch-count", str(count), "--metrics", ",".join(METRICS),
+            sys.executable, str(Path(__file__).resolve()), "--child", op, fmt, str(n)]
+
+
+def child(op: str, fmt: str, n: int) -> None:
+    """The profiled workload (run under ncu)."""
+    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "tests"))
+    import cupy
+
+    if op == "silu":
+        import bench_ops
+
+        case = bench_ops.silu_case(fmt, n, H)
+        for _ in range(OPS_CALLS):
+            case.run()
+        cupy.cuda.runtime.deviceSynchronize()
+        return
+    import numpy as np
+
+    import cuep
+    from ep_check import make_inputs, random_tokens, to_devices
+
+    cfg = cuep.EPConfig(hidden=H, top_k=K, n_experts=E, max_tokens_per_rank=max(n, 128), n_gpus_per_node=1,
+                        dispatch_format=fmt)
+    buf = cuep.Buffer(cuep.init([0]), cfg)
+    rng = np.random.default_rng(1)
+    xs, ids, ws = make_inputs(rng, cfg, [n])
+    gx, gids, gws = to_devices(buf.group, xs), to_devices(buf.group, ids), to_devices(buf.group, ws)
+    eo = to_devices(buf.group, [random_tokens(rng, cfg.capacity, cfg.hidden)])[0]
+    for _ in range(DECODE_ROUNDS):
+        cuep.combine(buf, [eo], cuep.dispatch(buf, gx, gids, gws))
+    buf.synchronize()
+    buf.close()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ops", action="store_true", help="profile cuep.ops.fused_silu instead of dispatch + combine")
+    p.add_argument("--formats", nargs="+", choices=FORMATS, help="default: bf16 fp8 nvfp4 (--ops: nvfp4 mxfp4 fp8)")
+    p.add_argument("--tokens", type=int, nargs="+", help="N per case (default: 1 128; --ops: 32768 rows)")
+    p.add_argument("--sms", type=int, help="SMs for the issue bound (default: the GPU's, or 132 with --parse)")
+    p.add_argument("--parse", nargs="+", metavar="REPORT", help="summarize saved ncu text reports; no GPU")
+    p.add_argument("--out", help="folder for the raw reports and ncu_profile.json")
+    p.add_argument("--timeout-s", type=float, default=300.0, help="per ncu run (default %(default)s)")
+    p.add_argument("--dry-run", action="store_true", help="print the ncu command lines and exit")
+    p.add_argument("--child", nargs=3, metavar=("OP", "FMT", "N"), help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.child:
+        op, fmt, n = a.child
+        child(op, fmt, int(n))
+        return 0
+    if a.parse:
+        rows = []
+        for path in a.parse:
+            for k in parse_report(Path(path).read_text()):
+                rows.append({"case": Path(path).stem, **summarize(k, a.sms or 132)})
+        print(format_table(rows))
+        return 0
+    op = "silu" if a.ops else "decode"
+    formats = a.formats or (["nvfp4", "mxfp4", "fp8"] if a.ops else ["bf16", "fp8", "nvfp4"])
+    tokens = a.tokens or ([32768] if a.ops else [1, 128])
+    if any(n < 1 for n in tokens):
+        p.error(f"--tokens must be >= 1 (got {tokens})")
+    try:
+        ncu = find_ncu()
+    except FileNotFoundError as e:
+        if not a.dry_run:
+            print(f"ncu_profile: {e}", file=sys.stderr)
+            return 2
+        ncu = "ncu"
+    cases = [(fmt, n) for fmt in formats for n in tokens]
+    if a.dry_run:
+        for fmt, n in cases:
+            print(" ".join(ncu_command(ncu, op, fmt, n)))
+        return 0
+    sms = a.sms
+    if sms is None:
+        import cupy
+
+        sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    out = Path(a.out) if a.out else None
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i, (fmt, n) in enumerate(cases, 1):
+        label = f"{op} {fmt} N={n}"
+        print(f"[ncu_profile] {i}/{len(cases)} {label}", flush=True)
+        try:
+            r = subprocess.run(ncu_command(ncu, op, fmt, n), capture_output=True, text=True, timeout=a.timeout_s,
+                               cwd=ROOT)
+        except subprocess.TimeoutExpired:
+            print(f"[ncu_profile] {label}: no result within {a.timeout_s} s", file=sys.stderr)
+            continue
+        if out:
+            (out / f"ncu_{op}_{fmt}_{n}.txt").write_text(r.stdout + r.stderr)
+        kernels = parse_report(r.stdout)
+        if r.returncode or not kernels:
+            print(f"[ncu_profile] {label}: ncu rc {r.returncode}, {len(kernels)} kernels\n{r.stderr[-2000:]}",
+                  file=sys.stderr)
+            continue
+        rows += [{"case": f"{fmt} N={n}", **summarize(k, sms)} for k in kernels]
+    print(f"\nNsight Compute, {sms} SMs ({'cold' if op == 'silu' else 'warm'} caches, clocks as they run):")
+    print(format_table(rows))
+    if out:
+        (out / "ncu_profile.json").write_text(json.dumps({"op": op, "sms": sms, "rows": rows}, indent=1))
+        print(f"wrote {out / 'ncu_profile.json'}")
+    return 0 if rows else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
