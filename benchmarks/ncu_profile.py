@@ -137,7 +137,6 @@ def child(op: str, fmt: str, n: int) -> None:
     """The profiled workload (run under ncu)."""
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    sys.path.insert(0, str(ROOT / "tests"))
     import cupy
 
     if op == "silu":
@@ -148,20 +147,17 @@ def child(op: str, fmt: str, n: int) -> None:
             case.run()
         cupy.cuda.runtime.deviceSynchronize()
         return
-    import numpy as np
-
     import cuep
-    from ep_check import make_inputs, random_tokens, to_devices
+    from cuep.bench.cases import make_inputs, random_bf16
 
     cfg = cuep.EPConfig(hidden=H, top_k=K, n_experts=E, max_tokens_per_rank=max(n, 128), n_gpus_per_node=1,
                         dispatch_format=fmt)
     buf = cuep.Buffer(cuep.init([0]), cfg)
-    rng = np.random.default_rng(1)
-    xs, ids, ws = make_inputs(rng, cfg, [n])
-    gx, gids, gws = to_devices(buf.group, xs), to_devices(buf.group, ids), to_devices(buf.group, ws)
-    eo = to_devices(buf.group, [random_tokens(rng, cfg.capacity, cfg.hidden)])[0]
+    inp = make_inputs([0], n, H, K, E, n_sets=1, seed=1)  # the bench's inputs: fresh random rows and routing
+    x, ids, w = inp.x[0][0], inp.ids[0][0], inp.weights[0][0]
+    eo = random_bf16(cupy.random.default_rng(2), (cfg.capacity, H))
     for _ in range(DECODE_ROUNDS):
-        cuep.combine(buf, [eo], cuep.dispatch(buf, gx, gids, gws))
+        cuep.combine(buf, eo, cuep.dispatch(buf, x, ids, w))
     buf.synchronize()
     buf.close()
 
