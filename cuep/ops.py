@@ -28,6 +28,8 @@ _MAX_GROUPS = 4096    # kMaxGroups in cuda_src/formats.cuh: row_offsets of the s
 _WARP = 32
 _SILU_STAGE_BYTES = 4096  # kSiluStageBytes in cuda_src/silu.cu: one span of gate and up per warp
 _SILU_STAGES = 2          # kSiluStages in cuda_src/silu.cu
+_SILU_THREADS = 512       # kSiluThreads in cuda_src/silu.cu: one block of 16 warps per SM
+_QUANTIZE_THREADS = 1024  # kQuantizeThreads in cuda_src/quantize.cu: one block of 32 warps per SM
 _LANE_VALUES = 8      # values per lane per warp step
 _INT32_MAX = 2**31 - 1
 
@@ -179,8 +181,9 @@ def _kernel(filename: str, name: str):
     return _kernels.function(filename, name)
 
 
-def _grid(filename: str, name: str, kernel, work_blocks: int, smem: int = 0) -> int:
-    """Blocks for a grid-stride kernel: enough for the work, at most what fits on the GPU at once."""
+def _grid(filename: str, name: str, kernel, work_blocks: int, smem: int = 0, threads: int = _THREADS) -> int:
+    """Blocks (of ``threads``) for a grid-stride kernel: enough for the work, at most what fits on the GPU at
+    once."""
     import cupy
     from cupy.cuda import driver
 
@@ -192,21 +195,22 @@ def _grid(filename: str, name: str, kernel, work_blocks: int, smem: int = 0) -> 
     occ = _occupancy.get(key)
     if occ is None:
         occ = _occupancy[key] = max(1, driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.kernel.ptr,
-                                                                                        _THREADS, smem))
+                                                                                        threads, smem))
     return max(1, min(int(work_blocks), sms * occ))
 
 
 def _silu_ring_bytes() -> int:
     """Dynamic shared memory of fused_silu's load ring per block (silu.cu: kSiluStages x kSiluStageBytes x warps)."""
-    return _SILU_STAGES * _SILU_STAGE_BYTES * (_THREADS // _WARP)
+    return _SILU_STAGES * _SILU_STAGE_BYTES * (_SILU_THREADS // _WARP)
 
 
 _prepared: dict[tuple, tuple] = {}
 
 
-def _prepare(filename: str, name: str, sig: str, dev: int, smem: int = 0):
-    """(launch, largest useful grid) of the grid-stride kernel ``filename:name`` on device ``dev``, its C parameters
-    in order as ``sig`` spells them (P a device pointer as an int, q int64, i int32, f float32).
+def _prepare(filename: str, name: str, sig: str, dev: int, smem: int = 0, threads: int = _THREADS):
+    """(launch, largest useful grid) of the grid-stride kernel ``filename:name`` on device ``dev`` (blocks of
+    ``threads``), its C parameters in order as ``sig`` spells them (P a device pointer as an int, q int64, i int32,
+    f float32).
 
     Prepared once per (kernel, device, shared memory) and reused: per call only the arguments are packed
     (:class:`cuep._kernels.PreparedLaunch`); ``launch(grid, *args)`` runs it on the current stream.
@@ -216,9 +220,9 @@ def _prepare(filename: str, name: str, sig: str, dev: int, smem: int = 0):
     if hit is None:
         kern = _kernel(filename, name)
         _kernels.allow_dynamic_smem(kern, smem)
-        max_grid = _grid(filename, name, kern, 2**31 - 1, smem)
+        max_grid = _grid(filename, name, kern, 2**31 - 1, smem, threads)
         slots = tuple(range(0, 8 * len(sig), 8))
-        launch = _kernels.PreparedLaunch(kern, _THREADS, smem, 8 * len(sig), slots, _kernels.slot_struct(sig))
+        launch = _kernels.PreparedLaunch(kern, threads, smem, 8 * len(sig), slots, _kernels.slot_struct(sig))
         hit = _prepared[key] = (launch, max_grid, sig)
     launch, max_grid, want = hit
     if sig != want:
@@ -233,10 +237,10 @@ def _launch(filename: str, name: str, work_blocks: int, sig: str, *args, smem: i
     launch(max(1, min(int(work_blocks), max_grid)), *args)
 
 
-def _warp_item_blocks(n_rows: int, hidden: int) -> int:
-    """Blocks that give every (row, warp step) its own warp: an upper bound on the useful grid."""
+def _warp_item_blocks(n_rows: int, hidden: int, threads: int = _THREADS) -> int:
+    """Blocks of ``threads`` that give every (row, warp step) its own warp: an upper bound on the useful grid."""
     warps = n_rows * ceil_div(hidden, _WARP * _LANE_VALUES)
-    return ceil_div(warps, _THREADS // _WARP)
+    return ceil_div(warps, threads // _WARP)
 
 
 def _swizzle_tiles(capacity: int, n_groups: int) -> int:
@@ -283,7 +287,7 @@ def _quantize_torch(x, fmt, global_scale=1.0, out=None):
             return NotImplemented
     else:
         return NotImplemented
-    fn.launch_on(tb.stream(dev), min(ceil_div(n * steps, _THREADS // _WARP), max_grid), xp, pp, sp, n, h,
+    fn.launch_on(tb.stream(dev), min(ceil_div(n * steps, _QUANTIZE_THREADS // _WARP), max_grid), xp, pp, sp, n, h,
                  global_scale)
     return payload, scales
 
@@ -357,7 +361,8 @@ def quantize(x: cupy.ndarray, fmt: str, global_scale: float = 1.0, out=None) -> 
         check_hidden(f, h, "x.shape[1]")
         launch = None
         if not (f.name == "bf16" and x.dtype == _BF16):
-            launch = _prepare("quantize.cu", f"quantize_{f.name}_{_DTYPE_SUFFIX[x.dtype]}", "PPPqif", dev)
+            launch = _prepare("quantize.cu", f"quantize_{f.name}_{_DTYPE_SUFFIX[x.dtype]}", "PPPqif", dev,
+                              threads=_QUANTIZE_THREADS)
         plan = _quantize_plans[key] = (f.payload_bytes(h), f.scale_bytes(h), ceil_div(h, _WARP * _LANE_VALUES),
                                        launch)
     g = global_scale if type(global_scale) is float and GLOBAL_SCALE_MIN <= global_scale <= GLOBAL_SCALE_MAX \
@@ -377,7 +382,8 @@ def quantize(x: cupy.ndarray, fmt: str, global_scale: float = 1.0, out=None) -> 
         payload[...] = x.view(_U8)
         return payload, scales
     fn, max_grid = launch
-    fn(min(ceil_div(n * steps, _THREADS // _WARP), max_grid), x.data.ptr, payload.data.ptr, scales.data.ptr, n, h, g)
+    fn(min(ceil_div(n * steps, _QUANTIZE_THREADS // _WARP), max_grid), x.data.ptr, payload.data.ptr,
+       scales.data.ptr, n, h, g)
     return payload, scales
 
 
@@ -557,10 +563,10 @@ def _silu_plan(f: Format, h, interleaved: bool, n_groups: int, dev: int) -> tupl
     max_tiles = _swizzle_tiles(cap, n_groups) if f.swizzled_scales else 0
     smem = _silu_ring_bytes() + (2 * (n_groups + 1) * 4 if f.swizzled_scales else 0)
     name = f"fused_silu_{f.name}_{_DTYPE_SUFFIX[h.dtype]}" + ("_interleaved" if interleaved else "")
-    work = _warp_item_blocks(cap, inter)
+    work = _warp_item_blocks(cap, inter, _SILU_THREADS)
     if f.swizzled_scales:
-        work = max(work, ceil_div(n_groups * f.scale_k_tiles(inter) * SCALE_TILE_ROWS, _THREADS))
-    fn, max_grid = _prepare("silu.cu", name, "PPiqiPPPqf", dev, smem)
+        work = max(work, ceil_div(n_groups * f.scale_k_tiles(inter) * SCALE_TILE_ROWS, _SILU_THREADS))
+    fn, max_grid = _prepare("silu.cu", name, "PPiqiPPPqf", dev, smem, _SILU_THREADS)
     checks = tuple((nm, (d,), len(s), s) for nm, (s, d) in zip(names, shapes))
     return shapes, checks, fn, max(1, min(work, max_grid)), max_tiles
 

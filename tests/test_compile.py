@@ -171,9 +171,9 @@ def test_dynamic_shared_memory_opt_in(monkeypatch):
 def test_environment_does_not_change_the_build(monkeypatch):
     """The compile options depend on the sources alone; a variant's defines are an explicit argument."""
     before = _kernels.compile_options()
-    monkeypatch.setenv("CUEP_EXTRA_DEFINES", "CUEP_SILU_MIN_BLOCKS=3")
+    monkeypatch.setenv("CUEP_EXTRA_DEFINES", "CUEP_QUANT_STEPS=1")
     assert _kernels.compile_options() == before
-    assert _kernels.compile_options(("CUEP_SILU_MIN_BLOCKS=3",))[-1] == "-DCUEP_SILU_MIN_BLOCKS=3"
+    assert _kernels.compile_options(("CUEP_QUANT_STEPS=1",))[-1] == "-DCUEP_QUANT_STEPS=1"
 
 
 def test_spills_are_errors():
@@ -188,7 +188,6 @@ def test_spills_are_errors():
 VARIANTS = [
     ("dispatch.cu", "CUEP_DISPATCH_ENCODE_STEPS=2"),
     ("quantize.cu", "CUEP_QUANT_STEPS=1"),
-    ("silu.cu", "CUEP_SILU_MIN_BLOCKS=1"),
 ]
 
 

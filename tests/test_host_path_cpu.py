@@ -442,9 +442,9 @@ def ops_launches(monkeypatch, torch):
     monkeypatch.setattr(ops, "_silu_plans", {})
     by_argv = {}
 
-    def prepare(filename, name, sig, dev, smem=0):
+    def prepare(filename, name, sig, dev, smem=0, threads=ops._THREADS):
         fn = types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=len(by_argv) + 1))
-        launch = _kernels.PreparedLaunch(fn, 256, smem, 8 * len(sig), tuple(range(0, 8 * len(sig), 8)),
+        launch = _kernels.PreparedLaunch(fn, threads, smem, 8 * len(sig), tuple(range(0, 8 * len(sig), 8)),
                                          _kernels.slot_struct(sig))
         by_argv[launch.argv_ptr] = launch
         return launch, 64

@@ -111,6 +111,8 @@ def test_formats_cuh_constants_match_python():
     silu = _cuh_constants("silu.cu")
     assert int(silu["kSiluStageBytes"]) == ops._SILU_STAGE_BYTES
     assert int(silu["kSiluStages"]) == ops._SILU_STAGES
+    assert int(silu["kSiluThreads"]) == ops._SILU_THREADS
+    assert int(_cuh_constants("quantize.cu")["kQuantizeThreads"]) == ops._QUANTIZE_THREADS
 
 
 def test_silu_constants_match_reference():
@@ -429,6 +431,18 @@ SILU_CASES = [  # (capacity, I, row_offsets)
 @pytest.mark.parametrize("out_fmt", ALL_FORMATS)
 @pytest.mark.parametrize("case", SILU_CASES, ids=lambda c: f"cap{c[0]}-I{c[1]}-G{len(c[2]) - 1}")
 def test_fused_silu_matches_reference(rng, case, out_fmt, dtype, interleaved):
+    _check_fused_silu(rng, case, out_fmt, dtype, interleaved)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_fmt", ["fp8", "nvfp4", "mxfp4"])
+def test_fused_silu_warp_shares_split_row_sets(rng, out_fmt):
+    """Enough rows that each warp's share holds several (row set, span) items and starts and ends inside one: the
+    members of a split set are computed, and their scales (fp4 padding zeros included) written, exactly once."""
+    _check_fused_silu(rng, (3000, 2048, [0, 1000, 1000, 2900]), out_fmt, BF16, False)
+
+
+def _check_fused_silu(rng, case, out_fmt, dtype, interleaved):
     cap, inter, offsets = case
     f = formats.FORMATS[out_fmt]
     if inter % f.group:

@@ -2,7 +2,7 @@
 // (cuep.ops.swizzle_block_scales). Bit-exact to cuep.reference (docs/formats.md).
 //
 // Work: one warp per (row, span) item, grid-stride; a span is kSteps warp steps of 256 values, so every lane has
-// kSteps 16-byte loads in flight before its first use. Launch: kOpsThreads threads, grid from the SM count.
+// kSteps 16-byte loads in flight before its first use. Launch: blocks of kQuantizeThreads, grid from the SM count.
 #include "common.cuh"
 #include "formats.cuh"
 
@@ -136,11 +136,13 @@ using cuep::kFmtMxfp4;
 using cuep::kFmtNvfp4;
 using cuep::kOpsThreads;
 
-// Four resident blocks (32 warps) per SM: at most 64 registers per thread.
-constexpr int kQuantizeMinBlocks = 4;
+// One block of 32 warps per SM (at most 64 registers per thread), not four of 8: the warp scheduler favours older
+// blocks, so of several resident blocks with equal static shares of the items the oldest finished long before the
+// youngest and the SM ran its tail with few warps; the warps of one block progress evenly (docs/design.md).
+constexpr int kQuantizeThreads = 1024;
 
 // ---- quantize: one kernel per (format, input dtype) -------------------------------------------------------
-#define CUEP_QUANTIZE_BOUNDS __launch_bounds__(kOpsThreads, kQuantizeMinBlocks)
+#define CUEP_QUANTIZE_BOUNDS __launch_bounds__(kQuantizeThreads, 1)
 #define CUEP_QUANTIZE_ARGS(T)                                                                                    \
     const T *__restrict__ x, uint8_t *__restrict__ payload, uint8_t *__restrict__ scales, long long n_rows,    \
         int hidden, float global_scale

@@ -16,12 +16,12 @@
 
 namespace cuep {
 
-// Two resident blocks (16 warps) per SM: up to 128 registers per thread, so the compiler keeps many independent
-// values of the long silu + quantize chain in flight (measured best with the 2-stage ring: docs/design.md).
-#ifndef CUEP_SILU_MIN_BLOCKS
-#define CUEP_SILU_MIN_BLOCKS 2
-#endif
-constexpr int kSiluMinBlocks = CUEP_SILU_MIN_BLOCKS;
+// One block of 16 warps per SM, up to 128 registers per thread, so the compiler keeps many independent values of
+// the long silu + quantize chain in flight. One block, not two of 8 warps: the warp scheduler favours the older of
+// two resident blocks, which then finished its equal share of the items 20-30% of the kernel's time before the
+// other, leaving the SM to 8 warps (too few to hide the chain's latency) for that tail; the warps of one block
+// progress evenly (measured: docs/design.md).
+constexpr int kSiluThreads = 512;
 
 // The row loads go through a shared-memory ring (cp.async): each warp keeps the loads of its next
 // kSiluStages - 1 spans in flight while it computes the current one, without holding registers for them (with
@@ -155,7 +155,7 @@ __device__ __forceinline__ void fused_silu_rows(const T* __restrict__ h, const i
     static_assert(2 * kSpan * int(sizeof(T)) == kSiluStageBytes, "a stage holds one span of gate and up");
     // Dynamic shared memory: the ring (kSiluStages stages per warp), then (fp4) the groups' row offsets.
     extern __shared__ uint4 smem[];
-    constexpr int kRingBytes = kSiluStages * kSiluStageBytes * (kOpsThreads / kWarp);
+    constexpr int kRingBytes = kSiluStages * kSiluStageBytes * (kSiluThreads / kWarp);
     uint8_t* const ring = reinterpret_cast<uint8_t*>(smem) + int(threadIdx.x / kWarp) * kSiluStages * kSiluStageBytes;
 
     SwizzleGroups sg{};
@@ -192,6 +192,7 @@ __device__ __forceinline__ void fused_silu_rows(const T* __restrict__ h, const i
         int k;
         int64_t base;    // row of member 0 (fp4: the pair's first row)
         uint32_t valid;  // members that are rows
+        uint32_t own;    // members of the item that are this warp's (see below)
         int g;           // fp4: the group of the set's tile (scanned forward)
         __device__ int64_t row() const { return base + (kSwizzled ? (k & 1) + 32 * (k >> 1) : k); }
     };
@@ -223,8 +224,23 @@ __device__ __forceinline__ void fused_silu_rows(const T* __restrict__ h, const i
                 if (local + (k & 1) + 32 * (k >> 1) < n) c.valid |= 1u << k;
         }
     };
+    // The warp's share is the pieces [first, last) of all n_sets * spans * kSetRows (row set, span, member)
+    // positions, padding members included: the shares differ by at most one piece (by whole items, 13 or 14 items a
+    // warp, the warps of an SM ended up to 7% of the kernel's time apart). Its first and last items may be partly
+    // another warp's: `owned` masks the members of the current item that are this warp's (it computes them and
+    // writes their scales, padding zeros included).
+    const int64_t n_pieces = n_sets * spans * kSetRows;
+    const int64_t first = wg.warp * n_pieces / wg.n_warps, last = (wg.warp + 1) * n_pieces / wg.n_warps;
+    const int64_t first_item = first / kSetRows;
+    const int64_t n_items = last > first ? (last - 1) / kSetRows - first_item + 1 : 0;
+    const uint32_t first_own = ~0u << int(first % kSetRows);                        // members of the first item
+    const uint32_t last_own = ~0u >> (31 - int(last > first ? (last - 1) % kSetRows : 0));  // ... of the last
+    auto owned = [&](const Cursor& c) -> uint32_t {
+        if constexpr (kSetRows == 1) return ~0u;  // pieces are items
+        return (c.left == n_items ? first_own : ~0u) & (c.left == 1 ? last_own : ~0u);
+    };
     auto first_piece = [&](Cursor& c) {  // the first valid member from k on, or k = kSetRows
-        const uint32_t m = c.valid >> c.k;
+        const uint32_t m = (c.valid & c.own) >> c.k;
         c.k = m ? c.k + __ffs(int(m)) - 1 : kSetRows;
     };
     auto next_item = [&](Cursor& c) {
@@ -235,6 +251,7 @@ __device__ __forceinline__ void fused_silu_rows(const T* __restrict__ h, const i
             ++c.set;
             if (c.left > 0) load_set(c);
         }
+        c.own = owned(c);
     };
     auto next_piece = [&](Cursor& c) {  // to the next valid (item, member), across items without pieces
         ++c.k;
@@ -245,8 +262,10 @@ __device__ __forceinline__ void fused_silu_rows(const T* __restrict__ h, const i
         }
     };
 
-    const ChunkWalk cw(wg, n_sets, spans);
-    Cursor issue_at{cw.left, cw.row, cw.span, 0, 0, 0u, -1};
+    const int64_t first_set = first_item / spans;
+    const int first_span = int(first_item - first_set * spans);
+    const uint32_t own0 = kSetRows == 1 ? ~0u : first_own & (n_items == 1 ? last_own : ~0u);  // of the first item
+    Cursor issue_at{n_items, first_set, first_span, 0, 0, 0u, own0, -1};
     if (issue_at.left > 0) {
         load_set(issue_at);
         first_piece(issue_at);
@@ -255,7 +274,7 @@ __device__ __forceinline__ void fused_silu_rows(const T* __restrict__ h, const i
             if (issue_at.left > 0) first_piece(issue_at);
         }
     }
-    Cursor at{cw.left, cw.row, cw.span, 0, 0, 0u, -1};  // the compute cursor: every item, also those without pieces
+    Cursor at{n_items, first_set, first_span, 0, 0, 0u, own0, -1};  // the compute cursor: every item, also those without pieces
     if (at.left > 0) load_set(at);
 
     // The loads of piece `issue_at` into its stage (coalesced 16-byte copies; the pieces of a row past its end
@@ -297,7 +316,7 @@ __device__ __forceinline__ void fused_silu_rows(const T* __restrict__ h, const i
     constexpr int kStagingWords =
         kFmt == kFmtBf16 ? 1 : kSetRows * kSpanBlocks * int(sizeof(typename FormatTraits<kFmt>::Scale)) / 16;
     static_assert(kStagingWords <= kWarp, "one 16-byte word of the staging per lane at most");
-    __shared__ uint4 staging_all[kOpsThreads / kWarp][kStagingWords];
+    __shared__ uint4 staging_all[kSiluThreads / kWarp][kStagingWords];
     uint8_t* const staging = reinterpret_cast<uint8_t*>(staging_all[threadIdx.x / kWarp]);
     using L = SpanLayout<kFmt, kSteps>;
     const int n_cols = inter / max(FormatTraits<kFmt>::kBlock, 1);  // scale columns of a row
@@ -334,12 +353,13 @@ __device__ __forceinline__ void fused_silu_rows(const T* __restrict__ h, const i
         if constexpr (kFmt != kFmtBf16) {
             __syncwarp();  // the item's scales are staged: write them as whole sectors
             const int c0 = at.span * kSpanBlocks;
+            const uint32_t own = at.own;  // members whose scales (or padding zeros) this warp writes
             if constexpr (kFmt == kFmtFp8) {
                 const int k = wg.lane % kSetRows;
 #pragma unroll
                 for (int cr0 = 0; cr0 < kSpanBlocks; cr0 += kWarp / kSetRows) {
                     const int cr = cr0 + wg.lane / kSetRows;
-                    if (cr < kSpanBlocks && c0 + cr < n_cols && (at.valid >> k & 1u))
+                    if (cr < kSpanBlocks && c0 + cr < n_cols && ((at.valid & own) >> k & 1u))
                         reinterpret_cast<float*>(scales)[(c0 + cr) * capacity + at.base + k] =
                             reinterpret_cast<const float*>(staging)[cr * kSetRows + k];
                 }
@@ -349,7 +369,7 @@ __device__ __forceinline__ void fused_silu_rows(const T* __restrict__ h, const i
 #pragma unroll
                 for (int t0 = 0; t0 < kSpanTiles; t0 += kWarp / kSetRows) {
                     const int tr = t0 + wg.lane / kSetRows, kt = at.span * kSpanTiles + tr;
-                    if (tr < kSpanTiles && kt < k_tiles && tile < max_tiles)
+                    if (tr < kSpanTiles && kt < k_tiles && tile < max_tiles && (own >> k & 1u))
                         *reinterpret_cast<uint32_t*>(scales + (int64_t(tile) * k_tiles + kt) * kScaleTileBytes +
                                                      (2 * pair + (k & 1)) * 16 + (k >> 1) * 4) =
                             *reinterpret_cast<const uint32_t*>(staging + k * kSpanBlocks + tr * kScaleTileCols);
@@ -368,8 +388,7 @@ using cuep::kFmtBf16;
 using cuep::kFmtFp8;
 using cuep::kFmtMxfp4;
 using cuep::kFmtNvfp4;
-using cuep::kOpsThreads;
-using cuep::kSiluMinBlocks;
+using cuep::kSiluThreads;
 
 // ---- one kernel per (output format, input dtype, layout): fused_silu_<fmt>_<dtype>[_interleaved] -----------
 // Arguments (all formats): h, row_offsets int32 [G+1], G, capacity, I, out (payload or bf16), scales (fp8:
@@ -383,7 +402,7 @@ using cuep::kSiluMinBlocks;
     cuep::fused_silu_rows<FMT, T, IL>(h, row_offsets, n_groups, capacity, inter, out, scales, scales_offsets,   \
                                       max_tiles, global_scale)
 #define CUEP_SILU_KERNEL(NAME, FMT, T, IL)                                                                      \
-    extern "C" __global__ void __launch_bounds__(kOpsThreads, kSiluMinBlocks) NAME(CUEP_SILU_ARGS(T)) {         \
+    extern "C" __global__ void __launch_bounds__(kSiluThreads, 1) NAME(CUEP_SILU_ARGS(T)) {                 \
         CUEP_SILU_CALL(FMT, T, IL);                                                                             \
     }
 

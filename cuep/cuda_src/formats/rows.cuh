@@ -142,7 +142,7 @@ __device__ __forceinline__ void warp_quantize_row(const Source& src, int hidden,
 }
 
 // The row loops (quantize, fused_silu) prefetch the next span of a row into L2 while the warp works on this one.
-// (CUEP_PREFETCH / CUEP_INFLIGHT_BYTES / CUEP_QUANT_STEPS / CUEP_SILU_MIN_BLOCKS / CUEP_DISPATCH_ENCODE_STEPS are
+// (CUEP_PREFETCH / CUEP_INFLIGHT_BYTES / CUEP_QUANT_STEPS / CUEP_DISPATCH_ENCODE_STEPS are
 // tuning constants: the defaults are the measured best; a benchmark harness builds variants of them through
 // cuep._kernels.module(defines=...). They change speed, never results.)
 #ifndef CUEP_PREFETCH
