@@ -161,10 +161,12 @@ __device__ __forceinline__ void fused_silu_rows(const T* __restrict__ h, const i
     SwizzleGroups sg{};
     int k_tiles = 0;
     int64_t rows;
+    __shared__ float nvfp4_r[kFmt == kFmtNvfp4 ? 128 : 1];  // nvfp4: r per scale byte (Nvfp4Table)
     if constexpr (kSwizzled) {
         __shared__ int scratch[kWarp];
         sg.row_offsets = reinterpret_cast<int*>(reinterpret_cast<uint8_t*>(smem) + kRingBytes);
         sg.tile_start = sg.row_offsets + n_groups + 1;
+        if constexpr (kFmt == kFmtNvfp4) nvfp4_table_fill(nvfp4_r, global_scale);  // the barrier below publishes it
         load_swizzle_groups(sg, row_offsets, n_groups, capacity, scratch, scales_offsets);
         k_tiles = (inter / FormatTraits<kFmt>::kBlock + kScaleTileCols - 1) / kScaleTileCols;
         rows = sg.row_offsets[n_groups];
@@ -347,7 +349,11 @@ __device__ __forceinline__ void fused_silu_rows(const T* __restrict__ h, const i
                 warp_encode_span<kFmt, kSteps>(src, raw, col0, inter, prow, NoScales{}, global_scale, wg.lane);
             } else {
                 const StagedScales<kFmt, kSpanBlocks> sink{staging, at.k, at.span * kSpanBlocks};
-                warp_encode_span<kFmt, kSteps>(src, raw, col0, inter, prow, sink, global_scale, wg.lane);
+                if constexpr (kFmt == kFmtNvfp4)
+                    warp_encode_span<kFmt, kSteps>(src, raw, col0, inter, prow, sink,
+                                                   Nvfp4Table{global_scale, nvfp4_r}, wg.lane);
+                else
+                    warp_encode_span<kFmt, kSteps>(src, raw, col0, inter, prow, sink, global_scale, wg.lane);
             }
         }
         if constexpr (kFmt != kFmtBf16) {

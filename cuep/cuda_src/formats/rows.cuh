@@ -14,9 +14,10 @@ namespace cuep {
 // kSteps the steps go in pairs and lane l holds values [512 p + 16 l, +16) of pair p, so a scale block spans
 // half as many lanes (fp8 8, nvfp4 1, mxfp4 2): half the block-scale work per value, fewer shuffles, and 8- or
 // 16-byte payload stores. Quantized formats have hidden % 16 == 0, so a lane's 16 values are all in or all out.
-template <int kFmt, int kN, class Sink>
+// GScale = float (the global scale g) or Nvfp4Table (g and its per-scale-byte reciprocals; warp_quantize).
+template <int kFmt, int kN, class Sink, class GScale>
 __device__ __forceinline__ void warp_encode(const float (&v)[kN], uint8_t* dst, int col, bool valid,
-                                            const Sink& sink, float global_scale, int lane) {
+                                            const Sink& sink, GScale global_scale, int lane) {
     using Scale = typename FormatTraits<kFmt>::Scale;
     const QuantN<kFmt, kN> q = warp_quantize<kFmt, kN>(v, global_scale);
     if (valid) store_words(dst, q.payload.w);
@@ -40,9 +41,9 @@ __device__ __forceinline__ void store_bf16x8(uint8_t* dst, const float (&v)[kLan
 }
 
 // One (paired) step: turn the raw loads into this lane's kN values (zeros when !valid), encode, store.
-template <int kFmt, int kN, class Source, class Sink>
+template <int kFmt, int kN, class Source, class Sink, class GScale>
 __device__ __forceinline__ void warp_span_group(const Source& src, const typename Source::Raw* raw, uint8_t* dst,
-                                                int col, bool valid, const Sink& sink, float global_scale,
+                                                int col, bool valid, const Sink& sink, GScale global_scale,
                                                 int lane) {
     float v[kN];
     if (valid) {
@@ -81,10 +82,10 @@ struct SpanLayout {
 
 // Encode and store one span from its raw loads (raw[j] as SpanLayout says; loads of lanes or groups past the row
 // may hold anything). All 32 lanes call it converged.
-template <int kFmt, int kSteps, class Source, class Sink>
+template <int kFmt, int kSteps, class Source, class Sink, class GScale>
 __device__ __forceinline__ void warp_encode_span(const Source& src, const typename Source::Raw (&raw)[kSteps],
                                                  int col0, int hidden, uint8_t* __restrict__ payload_row,
-                                                 const Sink& sink, float global_scale, int lane) {
+                                                 const Sink& sink, GScale global_scale, int lane) {
     using L = SpanLayout<kFmt, kSteps>;
     const int col_l = col0 + lane * L::kN;
     uint8_t* dst = payload_row + payload_offset<kFmt>(col_l);

@@ -69,6 +69,36 @@ __device__ __forceinline__ float div_rn_by(float x, float s, float y) {
     return __uint_as_float(__float_as_uint(q2) | (__float_as_uint(x) & kSignBit));
 }
 
+// x / s as div_rn_by for x >= 0 (+0 gives +0): no sign to copy.
+__device__ __forceinline__ float div_rn_by_nonneg(float x, float s, float y) {
+    const float q0 = __fmul_rn(x, y);
+    const float q1 = __fmaf_rn(__fmaf_rn(-s, q0, x), y, q0);
+    return __fmaf_rn(__fmaf_rn(-s, q1, x), y, q1);
+}
+
+// nvfp4's block multiplier r = g / sfv for scale byte sf (sfv = float(sf) > 0; sf = +0 gives 0, unused: the
+// block's codes are +0). g in [2**-100, 2**100] keeps the quotient exact-rounded (see warp_quantize).
+__device__ __forceinline__ float nvfp4_block_r(float g, uint32_t sf) {
+    if (!(sf & 0x7Fu)) return 0.0f;
+    const float sfv = e4m3_to_float(sf);
+    return div_rn_by_nonneg(g, sfv, rcp_rn_normal(sfv));
+}
+
+// g and nvfp4_block_r(g, sf) for every non-negative scale byte sf (0 .. 0x7E; 0x7F, NaN, cannot occur), in shared
+// memory: a kernel that quantizes many blocks to nvfp4 fills it once (nvfp4_table_fill) and passes it as the
+// global scale, so each block reads r instead of computing it (about ten instructions a block).
+struct Nvfp4Table {
+    float g;
+    const float* r;  // [128]
+};
+__device__ __forceinline__ float global_scale_value(float g) { return g; }
+__device__ __forceinline__ float global_scale_value(const Nvfp4Table& t) { return t.g; }
+__device__ __forceinline__ float nvfp4_block_r(const Nvfp4Table& t, uint32_t sf) { return t.r[sf & 0x7Fu]; }
+// All threads of the block call it; __syncthreads() before the first use of the table.
+__device__ __forceinline__ void nvfp4_table_fill(float* r, float g) {
+    for (int i = threadIdx.x; i < 128; i += blockDim.x) r[i] = nvfp4_block_r(g, uint32_t(i));
+}
+
 // The encoded payload of kN values (fp8: kN bytes, nvfp4 / mxfp4: kN / 2 bytes), as little-endian words.
 template <int kFmt, int kN>
 struct PayloadWords {
@@ -109,8 +139,9 @@ __device__ __forceinline__ void fp4_encode(const float (&v)[kN], float m, uint32
 // mul.rn.ftz, which flush them under -ftz=true as the contract's "flush x first" does.
 // Called by ALL 32 lanes of the warp, converged: lanes whose values lie past the row pass zeros (their block is
 // then entirely out of the row, since blocks are aligned lane groups) and discard the result.
-template <int kFmt, int kN>
-__device__ __forceinline__ QuantN<kFmt, kN> warp_quantize(const float (&v)[kN], float global_scale) {
+template <int kFmt, int kN, class GScale>
+__device__ __forceinline__ QuantN<kFmt, kN> warp_quantize(const float (&v)[kN], GScale gscale) {
+    const float global_scale = global_scale_value(gscale);
     static_assert(kFmt == kFmtFp8 || kFmt == kFmtNvfp4 || kFmt == kFmtMxfp4, "a scaled format");
     constexpr int kLanes = FormatTraits<kFmt>::kBlock / kN;
     static_assert(kLanes >= 1 && kLanes * kN == FormatTraits<kFmt>::kBlock, "whole blocks per lane group");
@@ -125,7 +156,7 @@ __device__ __forceinline__ QuantN<kFmt, kN> warp_quantize(const float (&v)[kN], 
     // reciprocal refined to RN(1/d), rcp_rn_normal): no slow-path branch in the hot loop.
     if constexpr (kFmt == kFmtFp8) {
         // s = max(amax, 1e-4) / 448; q_i = cvt_e4m3(x_i / s), the correctly rounded quotient (div_rn_by).
-        const float s = div_rn_by(fmaxf(amax, kFp8AmaxFloor), kFp8Max, kFp8MaxRcp);  // quotient >= 2.2e-7
+        const float s = div_rn_by_nonneg(fmaxf(amax, kFp8AmaxFloor), kFp8Max, kFp8MaxRcp);  // >= 2.2e-7
         fp8_encode(v, s, rcp_rn_normal(s), q.payload.w);  // s is normal, in [2.2e-7, 7.6e35]
         q.scale = s;
     } else if constexpr (kFmt == kFmtNvfp4) {
@@ -133,10 +164,9 @@ __device__ __forceinline__ QuantN<kFmt, kN> warp_quantize(const float (&v)[kN], 
         // q_i = cvt_e2m1(x_i * r). g * amax is clamped to 4096 first: e4m3 saturates from t = 464 on, so sf is
         // the same, and the quotient stays finite; t below 2**-10 (where div_rn_by may be an ulp off) is code 0
         // either way. g in [2**-100, 2**100] (checked by the API) keeps g / sfv (sfv in [2**-9, 448]) exact.
-        const float t = div_rn_by(fminf(__fmul_rn(global_scale, amax), 4096.0f), kE2m1Max, kE2m1MaxRcp);
-        const uint32_t sf = e4m3_encode(t);
-        const float sfv = e4m3_to_float(sf);
-        fp4_encode(v, div_rn_by(global_scale, sfv, rcp_rn_normal(sfv)), q.payload.w);
+        const float t = div_rn_by_nonneg(fminf(__fmul_rn(global_scale, amax), 4096.0f), kE2m1Max, kE2m1MaxRcp);
+        const uint32_t sf = e4m3_encode(t);  // t >= 0: sf in [0, 0x7E]
+        fp4_encode(v, nvfp4_block_r(gscale, sf), q.payload.w);
         if (!(sf & 0x7Fu)) {  // sfv == 0 (sf is +0: t >= 0): the block's codes are +0
 #pragma unroll
             for (int k = 0; k < kN / 8; ++k) q.payload.w[k] = 0u;
