@@ -138,7 +138,7 @@ using cuep::kOpsThreads;
 
 // One block of 32 warps per SM (at most 64 registers per thread), not four of 8: the warp scheduler favours older
 // blocks, so of several resident blocks with equal static shares of the items the oldest finished long before the
-// youngest and the SM ran its tail with few warps; the warps of one block progress evenly (docs/design.md).
+// youngest and the SM ran its tail with few warps; the warps of one block progress evenly (BENCHMARKS.md).
 constexpr int kQuantizeThreads = 1024;
 
 // ---- quantize: one kernel per (format, input dtype) -------------------------------------------------------

@@ -20,7 +20,7 @@ namespace cuep {
 // the long silu + quantize chain in flight. One block, not two of 8 warps: the warp scheduler favours the older of
 // two resident blocks, which then finished its equal share of the items 20-30% of the kernel's time before the
 // other, leaving the SM to 8 warps (too few to hide the chain's latency) for that tail; the warps of one block
-// progress evenly (measured: docs/design.md).
+// progress evenly (measured: BENCHMARKS.md, 1 x H200 ops).
 constexpr int kSiluThreads = 512;
 
 // The row loads go through a shared-memory ring (cp.async): each warp keeps the loads of its next
@@ -276,7 +276,7 @@ __device__ __forceinline__ void fused_silu_rows(const T* __restrict__ h, const i
             if (issue_at.left > 0) first_piece(issue_at);
         }
     }
-    Cursor at{n_items, first_set, first_span, 0, 0, 0u, own0, -1};  // the compute cursor: every item, also those without pieces
+    Cursor at{n_items, first_set, first_span, 0, 0, 0u, own0, -1};  // compute cursor: every item, with pieces or not
     if (at.left > 0) load_set(at);
 
     // The loads of piece `issue_at` into its stage (coalesced 16-byte copies; the pieces of a row past its end
