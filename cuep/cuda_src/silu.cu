@@ -266,8 +266,9 @@ __device__ __forceinline__ void fused_silu_rows(const T* __restrict__ h, const i
 
     const int64_t first_set = first_item / spans;
     const int first_span = int(first_item - first_set * spans);
-    const uint32_t own0 = kSetRows == 1 ? ~0u : first_own & (n_items == 1 ? last_own : ~0u);  // of the first item
-    Cursor issue_at{n_items, first_set, first_span, 0, 0, 0u, own0, -1};
+    Cursor issue_at{n_items, first_set, first_span, 0, 0, 0u, 0u, -1};
+    issue_at.own = owned(issue_at);
+    Cursor at = issue_at;  // the compute cursor: every item, with pieces or not
     if (issue_at.left > 0) {
         load_set(issue_at);
         first_piece(issue_at);
@@ -276,7 +277,6 @@ __device__ __forceinline__ void fused_silu_rows(const T* __restrict__ h, const i
             if (issue_at.left > 0) first_piece(issue_at);
         }
     }
-    Cursor at{n_items, first_set, first_span, 0, 0, 0u, own0, -1};  // compute cursor: every item, with pieces or not
     if (at.left > 0) load_set(at);
 
     // The loads of piece `issue_at` into its stage (coalesced 16-byte copies; the pieces of a row past its end

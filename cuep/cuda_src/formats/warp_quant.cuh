@@ -62,24 +62,19 @@ __device__ __forceinline__ float group_amax(float a) {
 // is the sign of x (copied in: a -0 numerator gives +0 through the FMAs). Five FMA-pipe instructions instead of
 // a division's ten (MUFU.RCP, FCHK, branch); scripts/check_exhaustive.py fp8div checks it on 2**31 pairs.
 // x subnormal: mul.ftz / fma.ftz flush it, as the contract's flushed x.
-__device__ __forceinline__ float div_rn_by(float x, float s, float y) {
-    const float q0 = __fmul_rn(x, y);
-    const float q1 = __fmaf_rn(__fmaf_rn(-s, q0, x), y, q0);
-    const float q2 = __fmaf_rn(__fmaf_rn(-s, q1, x), y, q1);
-    return __uint_as_float(__float_as_uint(q2) | (__float_as_uint(x) & kSignBit));
-}
-
-// x / s as div_rn_by for x >= 0 (+0 gives +0): no sign to copy.
+// div_rn_by_nonneg: the quotient alone, for x >= 0 (+0 gives +0); div_rn_by: any x, its sign copied in.
 __device__ __forceinline__ float div_rn_by_nonneg(float x, float s, float y) {
     const float q0 = __fmul_rn(x, y);
     const float q1 = __fmaf_rn(__fmaf_rn(-s, q0, x), y, q0);
     return __fmaf_rn(__fmaf_rn(-s, q1, x), y, q1);
 }
+__device__ __forceinline__ float div_rn_by(float x, float s, float y) {
+    return __uint_as_float(__float_as_uint(div_rn_by_nonneg(x, s, y)) | (__float_as_uint(x) & kSignBit));
+}
 
-// nvfp4's block multiplier r = g / sfv for scale byte sf (sfv = float(sf) > 0; sf = +0 gives 0, unused: the
-// block's codes are +0). g in [2**-100, 2**100] keeps the quotient exact-rounded (see warp_quantize).
+// nvfp4's block multiplier r = g / sfv for scale byte sf, sfv = float(sf) > 0 (sf = +0 gives no number: its
+// block's codes are set to +0 by the caller). g in [2**-100, 2**100] keeps the quotient exact (see warp_quantize).
 __device__ __forceinline__ float nvfp4_block_r(float g, uint32_t sf) {
-    if (!(sf & 0x7Fu)) return 0.0f;
     const float sfv = e4m3_to_float(sf);
     return div_rn_by_nonneg(g, sfv, rcp_rn_normal(sfv));
 }
@@ -96,7 +91,7 @@ __device__ __forceinline__ float global_scale_value(const Nvfp4Table& t) { retur
 __device__ __forceinline__ float nvfp4_block_r(const Nvfp4Table& t, uint32_t sf) { return t.r[sf & 0x7Fu]; }
 // All threads of the block call it; __syncthreads() before the first use of the table.
 __device__ __forceinline__ void nvfp4_table_fill(float* r, float g) {
-    for (int i = threadIdx.x; i < 128; i += blockDim.x) r[i] = nvfp4_block_r(g, uint32_t(i));
+    for (int i = threadIdx.x; i < 128; i += blockDim.x) r[i] = i ? nvfp4_block_r(g, uint32_t(i)) : 0.0f;
 }
 
 // The encoded payload of kN values (fp8: kN bytes, nvfp4 / mxfp4: kN / 2 bytes), as little-endian words.
