@@ -488,7 +488,8 @@ def fused_silu(h: cupy.ndarray, row_offsets: cupy.ndarray, out_fmt: str = "bf16"
 
     Args:
         h: cupy float32 or ``ml_dtypes.bfloat16`` [capacity, 2I], C-contiguous: gate half then up half per row, or
-            (``interleaved``) gate/up alternating element by element. I a multiple of the format's group.
+            (``interleaved``) gate/up alternating element by element. I a multiple of the format's group; a row
+            under 2 GiB.
         row_offsets: cupy int32/uint32/int64/uint64 [G+1] group offsets from dispatch (0, non-decreasing,
             ``row_offsets[-1] <= capacity``, G <= 4096; not checked on the host: invalid offsets give unspecified
             bytes, never an out-of-bounds write). They place the swizzled scales of nvfp4/mxfp4.
@@ -549,6 +550,8 @@ def _silu_plan(f: Format, h, interleaved: bool, n_groups: int, dev: int) -> tupl
         raise ValueError(f"h must be [capacity, 2I] with an even width, got shape {h.shape}")
     inter = width // 2
     check_hidden(f, inter, "h.shape[1] // 2 (I)")
+    if width * h.itemsize >= 2**31:  # the kernel's row offsets are 32-bit
+        raise ValueError(f"h.shape[1]={width}: a row of h must be under 2 GiB ({width * h.itemsize} bytes)")
     if f.name == "bf16":
         shapes = (((cap, inter), _BF16),)
         names = ("out",)

@@ -279,6 +279,35 @@ def test_quantize_edge_values(fmt):
 
 
 @pytest.mark.gpu
+def test_quantize_mxfp4_every_block_exponent(rng):
+    """mxfp4 at every finite block exponent (amax from 2**-126 to near the float32 max, and 0): the e2m1 lines
+    scaled by 2**-e (E2m1Pow2) and the multiply-first path (e = -127: rows with E <= -125) give the reference's
+    codes at each rounding edge (the grid's midpoints times 2**e and their neighbours), for values whose product is
+    subnormal (code 0, sign kept) and for random values of the block's range."""
+    f32 = np.float32
+    thr = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    blocks = [np.zeros(32, f32)]
+    for big_e in range(-126, 128):
+        e = max(big_e - 2, -127)
+        amax = f32(2.0 ** big_e * rng.uniform(1, 1.99))
+        mid = (thr * 2.0 ** e).astype(f32)
+        b = np.concatenate([[amax], mid, np.nextafter(mid, f32(0)), np.nextafter(mid, f32(np.inf)),
+                            [2.0 ** -126, -3 * 2.0 ** -126],
+                            2.0 ** (e + rng.uniform(-8, 3, 8))]).astype(f32)
+        b *= np.where(rng.random(32) < 0.5, f32(-1), f32(1))
+        blocks.append(b)
+    x = np.concatenate(blocks)
+    x = np.concatenate([x, np.zeros(-x.size % 256, f32)]).reshape(-1, 256)
+    x = np.concatenate([x, np.roll(x, 4 * 32)])  # the e = -127 blocks beside others in other warps too
+    assert np.isfinite(x).all()
+    want_p, want_s = ref.quantize(x, "mxfp4")
+    got_p, got_s = ops.quantize(to_dev(x), "mxfp4")
+    assert_same_bits(got_s.get(), want_s, "mxfp4 scales")
+    assert_same_bits(got_p.get(), want_p, "mxfp4 payload")
+    assert set(np.unique(want_s)) >= set(range(0, 253)), "every scale byte e + 127 in [0, 252] is tested"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("fmt", ALL_FORMATS)
 def test_quantize_nonfinite_leaves_other_blocks_exact(rng, fmt, dtype):
@@ -571,6 +600,8 @@ def test_fused_silu_bad_arguments():
     ro = cupy.asarray(np.array([0, 8], np.int32))
     with pytest.raises(ValueError, match="even width"):
         ops.fused_silu(cupy.ones((8, 257), np.float32), ro)
+    with pytest.raises(ValueError, match="under 2 GiB"):
+        ops.fused_silu(cupy.empty((0, 2**29), np.float32), ro)
     with pytest.raises(ValueError, match=r"\(I\)"):
         ops.fused_silu(cupy.ones((8, 2 * 192), np.float32), ro, "fp8")
     with pytest.raises(TypeError, match="h must have dtype"):

@@ -150,7 +150,6 @@ __device__ __forceinline__ void fused_silu_rows(const T* __restrict__ h, const i
     constexpr bool kSwizzled = kFmt == kFmtNvfp4 || kFmt == kFmtMxfp4;
     const WarpGrid wg;
     const int spans = (inter + kSpan - 1) / kSpan;
-    const int64_t out_row_bytes = payload_offset<kFmt>(inter);
 
     static_assert(2 * kSpan * int(sizeof(T)) == kSiluStageBytes, "a stage holds one span of gate and up");
     // Dynamic shared memory: the ring (kSiluStages stages per warp), then (fp4) the groups' row offsets.
@@ -186,28 +185,30 @@ __device__ __forceinline__ void fused_silu_rows(const T* __restrict__ h, const i
     const int64_t n_sets = kFmt == kFmtBf16 ? rows
                            : kFmt == kFmtFp8 ? (rows + kSetRows - 1) / kSetRows
                                              : int64_t(sg.tile_start[n_groups]) * 16;
-    // A cursor over the (row, span) pieces of the warp's items, in order; k = member of the row set.
+    // A cursor over the warp's items and, inside an item, its pieces (one valid member row each). Row indices fit
+    // int32 (capacity < 2**31) and a row of h is under 2 GiB (both checked on the host): each row's address is one
+    // 32 x 32 -> 64-bit multiply-add.
     struct Cursor {
-        int64_t left;  // items left, the current one included
-        int64_t set;
+        int left;        // items left, the current one included
+        int set;
         int span;
-        int k;
-        int64_t base;    // row of member 0 (fp4: the pair's first row)
+        int base;        // row of member 0 (fp4: the pair's first row)
         uint32_t valid;  // members that are rows
         uint32_t own;    // members of the item that are this warp's (see below)
+        uint32_t todo;   // issue cursor: the valid owned members of the item not issued yet
         int g;           // fp4: the group of the set's tile (scanned forward)
-        __device__ int64_t row() const { return base + (kSwizzled ? (k & 1) + 32 * (k >> 1) : k); }
     };
+    auto member_row = [](int k) { return kSwizzled ? (k & 1) + 32 * (k >> 1) : k; };
     auto load_set = [&](Cursor& c) {
         if constexpr (kFmt == kFmtBf16) {
             c.base = c.set;
             c.valid = 1u;
         } else if constexpr (kFmt == kFmtFp8) {
             c.base = c.set * kSetRows;
-            const int64_t n = rows - c.base;
+            const int n = int(rows) - c.base;
             c.valid = n >= kSetRows ? 0xFFu : (1u << n) - 1u;
         } else {
-            const int tile = int(c.set >> 4), pair = int(c.set & 15);
+            const int tile = c.set >> 4, pair = c.set & 15;
             if (c.g < 0) {  // the last group whose first tile is <= tile owns it (empty groups come before it)
                 int lo = 0, hi = n_groups - 1;
                 while (lo < hi) {
@@ -223,7 +224,7 @@ __device__ __forceinline__ void fused_silu_rows(const T* __restrict__ h, const i
             c.valid = 0u;
 #pragma unroll
             for (int k = 0; k < kSetRows; ++k)
-                if (local + (k & 1) + 32 * (k >> 1) < n) c.valid |= 1u << k;
+                if (local + member_row(k) < n) c.valid |= 1u << k;
         }
     };
     // The warp's share is the pieces [first, last) of all n_sets * spans * kSetRows (row set, span, member)
@@ -234,68 +235,65 @@ __device__ __forceinline__ void fused_silu_rows(const T* __restrict__ h, const i
     const int64_t n_pieces = n_sets * spans * kSetRows;
     const int64_t first = wg.warp * n_pieces / wg.n_warps, last = (wg.warp + 1) * n_pieces / wg.n_warps;
     const int64_t first_item = first / kSetRows;
-    const int64_t n_items = last > first ? (last - 1) / kSetRows - first_item + 1 : 0;
+    const int n_items = last > first ? int((last - 1) / kSetRows - first_item + 1) : 0;
     const uint32_t first_own = ~0u << int(first % kSetRows);                        // members of the first item
     const uint32_t last_own = ~0u >> (31 - int(last > first ? (last - 1) % kSetRows : 0));  // ... of the last
     auto owned = [&](const Cursor& c) -> uint32_t {
         if constexpr (kSetRows == 1) return ~0u;  // pieces are items
         return (c.left == n_items ? first_own : ~0u) & (c.left == 1 ? last_own : ~0u);
     };
-    auto first_piece = [&](Cursor& c) {  // the first valid member from k on, or k = kSetRows
-        const uint32_t m = (c.valid & c.own) >> c.k;
-        c.k = m ? c.k + __ffs(int(m)) - 1 : kSetRows;
-    };
     auto next_item = [&](Cursor& c) {
-        --c.left;
-        c.k = 0;
+        if (--c.left <= 0) return;
         if (++c.span == spans) {
             c.span = 0;
             ++c.set;
-            if (c.left > 0) load_set(c);
+            load_set(c);
         }
         c.own = owned(c);
     };
-    auto next_piece = [&](Cursor& c) {  // to the next valid (item, member), across items without pieces
-        ++c.k;
-        first_piece(c);
-        while (c.k == kSetRows && c.left > 0) {
+    auto settle = [&](Cursor& c) {  // the issue cursor to an item with a piece left to issue (or past the last)
+        while (c.todo == 0u && c.left > 0) {
             next_item(c);
-            if (c.left > 0) first_piece(c);
+            c.todo = c.valid & c.own;
         }
     };
 
-    const int64_t first_set = first_item / spans;
-    const int first_span = int(first_item - first_set * spans);
-    Cursor issue_at{n_items, first_set, first_span, 0, 0, 0u, 0u, -1};
-    issue_at.own = owned(issue_at);
+    const int first_set = int(first_item / spans);
+    const int first_span = int(first_item - int64_t(first_set) * spans);
+    Cursor issue_at{n_items, first_set, first_span, 0, 0u, 0u, 0u, -1};
     Cursor at = issue_at;  // the compute cursor: every item, with pieces or not
-    if (issue_at.left > 0) {
-        load_set(issue_at);
-        first_piece(issue_at);
-        while (issue_at.k == kSetRows && issue_at.left > 0) {
-            next_item(issue_at);
-            if (issue_at.left > 0) first_piece(issue_at);
-        }
+    if (n_items > 0) {
+        load_set(at);
+        at.own = owned(at);
+        issue_at = at;
+        issue_at.todo = at.valid & at.own;
+        settle(issue_at);
     }
-    if (at.left > 0) load_set(at);
 
-    // The loads of piece `issue_at` into its stage (coalesced 16-byte copies; the pieces of a row past its end
-    // are not copied).
-    int istage = 0, cstage = 0;
+    // The loads of the next piece (coalesced 16-byte copies; the pieces of a row past its end are not copied).
+    // This lane's 16-byte pieces are at lane * 16 + p * 512 of each range: one base address per range and
+    // immediate offsets.
+    constexpr int kSpanRangeBytes = Src::range_bytes(kSpan);  // bytes of one range of a whole span
+    const uint8_t* const h_lane = reinterpret_cast<const uint8_t*>(h) + wg.lane * 16;
+    const uint32_t h_row_bytes = 2u * uint32_t(inter) * uint32_t(sizeof(T));
+    const int lane_left = Src::range_bytes(inter) - wg.lane * 16;  // bytes of a range from this lane's first piece
+    uint32_t istage = 0, cstage = 0;  // byte offsets of the stages in the ring
+    auto next_stage = [](uint32_t off) -> uint32_t {
+        if constexpr (kSiluStages == 2) return off ^ kSiluStageBytes;
+        return off + kSiluStageBytes == kSiluStages * kSiluStageBytes ? 0u : off + kSiluStageBytes;
+    };
     auto issue = [&]() {
         if (issue_at.left <= 0) return;
-        const T* hrow = h + issue_at.row() * 2 * int64_t(inter);
-        const Src src{hrow, hrow + inter};
-        const int col0 = issue_at.span * kSpan;
-        // This lane's 16-byte pieces are at lane * 16 + p * 512 of each range: one base address per range and
-        // immediate offsets; `left` = bytes of the range from the lane's first piece on (<= 0: none).
-        const int left = Src::range_bytes(min(kSpan, inter - col0)) - wg.lane * 16;
-        uint8_t* stage = ring + istage * kSiluStageBytes + wg.lane * 16;
+        const int row = issue_at.base + member_row(__ffs(int(issue_at.todo)) - 1);
+        const uint8_t* const from0 =
+            h_lane + (uint64_t(uint32_t(row)) * h_row_bytes + uint32_t(issue_at.span * kSpanRangeBytes));
+        const int left = lane_left - issue_at.span * kSpanRangeBytes;  // <= 0: none of this lane's pieces
+        uint8_t* stage = ring + istage + wg.lane * 16;
         constexpr int kPieces = kSiluStageBytes / Src::kRanges / 16 / kWarp;  // per lane and range
         const bool whole = left > (kPieces - 1) * kWarp * 16;  // all of this lane's pieces: but in a short last span
 #pragma unroll
         for (int r = 0; r < Src::kRanges; ++r) {
-            const uint8_t* from = src.range(col0, r) + wg.lane * 16;
+            const uint8_t* from = from0 + r * inter * int(sizeof(T));  // halves: the up range follows the gate's
             uint8_t* to = stage + r * (kSiluStageBytes / Src::kRanges);
             if (whole) {
                 copy_pieces<0, kPieces>(to, from);
@@ -305,8 +303,9 @@ __device__ __forceinline__ void fused_silu_rows(const T* __restrict__ h, const i
                     if (p * kWarp * 16 < left) cp_async16(to + p * kWarp * 16, from + p * kWarp * 16);
             }
         }
-        if (++istage == kSiluStages) istage = 0;
-        next_piece(issue_at);
+        istage = next_stage(istage);
+        issue_at.todo &= issue_at.todo - 1u;
+        settle(issue_at);
     };
 #pragma unroll
     for (int j = 0; j < kSiluStages - 1; ++j) {
@@ -323,32 +322,33 @@ __device__ __forceinline__ void fused_silu_rows(const T* __restrict__ h, const i
     using L = SpanLayout<kFmt, kSteps>;
     const int n_cols = inter / max(FormatTraits<kFmt>::kBlock, 1);  // scale columns of a row
 
+    const uint32_t out_row_bytes = uint32_t(payload_offset<kFmt>(inter));
     for (; at.left > 0; next_item(at)) {
         if constexpr (kSwizzled) {  // padding rows and columns past the row's scales stay 0
             if (wg.lane < kStagingWords) reinterpret_cast<uint4*>(staging)[wg.lane] = make_uint4(0u, 0u, 0u, 0u);
             __syncwarp();
         }
-        for (at.k = 0, first_piece(at); at.k < kSetRows; ++at.k, first_piece(at)) {
+        for (uint32_t todo = at.valid & at.own; todo != 0u; todo &= todo - 1u) {
+            const int k = __ffs(int(todo)) - 1;
             __syncwarp();  // every lane is done reading the stage the next issue overwrites
             issue();
             cp_async_commit();
             cp_async_wait<kSiluStages - 1>();  // this lane's copies of this piece have landed ...
             __syncwarp();                      // ... and every other lane's
-            const uint8_t* stage = ring + cstage * kSiluStageBytes;
-            if (++cstage == kSiluStages) cstage = 0;
+            const uint8_t* stage = ring + cstage;
+            cstage = next_stage(cstage);
             typename Src::Raw raw[kSteps];
 #pragma unroll
             for (int j = 0; j < kSteps; ++j)
                 raw[j] = Src::template stage_raw<kSpan>(stage, wg.lane * L::kN + L::offset(j));
-            const int64_t row = at.row();
-            const T* hrow = h + row * 2 * int64_t(inter);
-            const Src src{hrow, hrow + inter};
-            uint8_t* prow = out + row * out_row_bytes;
+            const int row = at.base + member_row(k);
+            const Src src{h, h};  // the values come from the stage: src only converts them
+            uint8_t* prow = out + uint64_t(uint32_t(row)) * out_row_bytes;
             const int col0 = at.span * kSpan;
             if constexpr (kFmt == kFmtBf16) {
                 warp_encode_span<kFmt, kSteps>(src, raw, col0, inter, prow, NoScales{}, global_scale, wg.lane);
             } else {
-                const StagedScales<kFmt, kSpanBlocks> sink{staging, at.k, at.span * kSpanBlocks};
+                const StagedScales<kFmt, kSpanBlocks> sink{staging, k, at.span * kSpanBlocks};
                 if constexpr (kFmt == kFmtNvfp4)
                     warp_encode_span<kFmt, kSteps>(src, raw, col0, inter, prow, sink,
                                                    Nvfp4Table{global_scale, nvfp4_r}, wg.lane);

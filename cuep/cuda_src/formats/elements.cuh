@@ -118,17 +118,45 @@ __device__ __forceinline__ uint32_t e2m1_encode(float v) {
     return (e2m1_biased(v) - kE2m1Bias) | (__float_as_uint(v) >> 28 & 8u);
 }
 
+// The magnitude of x * 2**-e without the multiply (mxfp4: 2**-e is the block's exact multiplier), for e in
+// [-126, 126]: a = min(|x|, 6 * 2**e) and the three lines take 2**-e into their FMAs (2a -> a * 2**(1-e), ...).
+// Scaling by a power of two is exact and monotone, so a * 2**-e = min(|x| * 2**-e, 6) exactly and each FMA rounds
+// the same sum as e2m1_biased's; where the reference's product x * 2**-e is subnormal (flushed to 0: code 0),
+// the FMA's exact product is below 2**-126 and the sum rounds to M (code 0) too. e = -127 needs 2**128: callers
+// multiply first there (e2m1_biased). e = 126 (a non-finite block: unspecified) gives some code.
+struct E2m1Pow2 {
+    float clamp, m2, m1, mh;  // 6 * 2**e, 2**(1-e), 2**-e, 2**(-1-e)
+    __device__ __forceinline__ explicit E2m1Pow2(int e)
+        : clamp(__uint_as_float(uint32_t(e + 129) << 23 | 0x400000u)),
+          m2(pow2_from_biased(uint32_t(128 - e))),
+          m1(pow2_from_biased(uint32_t(127 - e))),
+          mh(pow2_from_biased(uint32_t(126 - e))) {}
+    __device__ __forceinline__ uint32_t operator()(float x) const {
+        const float a = fminf(fabsf(x), clamp);
+        const float t1 = __fmaf_rn(a, m2, 0x1.8p+23f);
+        const float t2 = __fmaf_rn(a, m1, 0x1.8p+23f + 2.0f);
+        const float t3 = __fmaf_rn(a, mh, 0x1.8p+23f + 4.0f);
+        return __float_as_uint(fminf(fminf(t1, t2), t3));
+    }
+};
+
 // Eight codes packed into a word, element i in nibble i (element 2i in the low nibble of byte i). The biased
-// magnitudes are summed into place (the bias of all eight cancels in one constant, no carries: each code <= 7);
-// the sign bits are gathered with funnel shifts of the raw bits (the top nibble of each, masked once).
-__device__ __forceinline__ uint32_t e2m1x8_encode(const float (&v)[kLaneValues]) {
+// magnitudes (biased(v_i): e2m1_biased or E2m1Pow2) are summed into place (the bias of all eight cancels in one
+// constant, no carries: each code <= 7); the sign bits are gathered with funnel shifts of the raw bits (the top
+// nibble of each, masked once).
+template <class Biased>
+__device__ __forceinline__ uint32_t e2m1x8_pack(const float (&v)[kLaneValues], const Biased& biased) {
     uint32_t mag = 0u - kE2m1Bias * 0x11111111u;
 #pragma unroll
-    for (int i = 0; i < kLaneValues; ++i) mag += e2m1_biased(v[i]) << (4 * i);
+    for (int i = 0; i < kLaneValues; ++i) mag += biased(v[i]) << (4 * i);
     uint32_t sign = __float_as_uint(v[kLaneValues - 1]) >> 28;
 #pragma unroll
     for (int i = kLaneValues - 2; i >= 0; --i) sign = __funnelshift_l(__float_as_uint(v[i]), sign, 4);
     return mag | (sign & 0x88888888u);
+}
+
+__device__ __forceinline__ uint32_t e2m1x8_encode(const float (&v)[kLaneValues]) {
+    return e2m1x8_pack(v, [](float x) { return e2m1_biased(x); });
 }
 
 // e2m1 code (0..15) -> float32, exact (code 8 is -0.0).
