@@ -550,8 +550,9 @@ def _silu_plan(f: Format, h, interleaved: bool, n_groups: int, dev: int) -> tupl
         raise ValueError(f"h must be [capacity, 2I] with an even width, got shape {h.shape}")
     inter = width // 2
     check_hidden(f, inter, "h.shape[1] // 2 (I)")
-    if width * h.itemsize >= 2**31:  # the kernel's row offsets are 32-bit
-        raise ValueError(f"h.shape[1]={width}: a row of h must be under 2 GiB ({width * h.itemsize} bytes)")
+    row_bytes = width * h.dtype.itemsize
+    if row_bytes >= 2**31:  # the kernel's row offsets are 32-bit
+        raise ValueError(f"h.shape[1]={width}: a row of h must be under 2 GiB ({row_bytes} bytes)")
     if f.name == "bf16":
         shapes = (((cap, inter), _BF16),)
         names = ("out",)

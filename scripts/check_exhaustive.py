@@ -3,6 +3,7 @@
     python scripts/check_exhaustive.py e2m1             # all 2**32 float32 bit patterns (about 2 minutes)
     python scripts/check_exhaustive.py fp8div [--per-s 256] [--s-step 1]   # 2**23 / s_step divisors x per_s pairs
     python scripts/check_exhaustive.py silu             # every g with |g| in [85, 89], 2**24 random patterns
+    python scripts/check_exhaustive.py e2m1pow2         # mxfp4's fused lines: every e, 2**20 values each
 
 * ``e2m1``: ``e2m1_device`` below is a NumPy emulation, operation for operation, of ``e2m1_biased`` /
   ``e2m1_encode`` in cuep/cuda_src/formats.cuh (fminf of FTZ operands, three lines rounded once each to an
@@ -21,6 +22,10 @@
   read negated by the FMAs; e = p * 2**n as an integer add to p's exponent field, a subnormal e read as +0 by its
   flushing consumers). It must equal :func:`cuep.reference.ep.silu_f32` bit for bit: on every float32 g with
   |g| in [85, 89] (where n <= -122 and the add's result can be subnormal or wrap) and on random bit patterns.
+
+* ``e2m1pow2``: ``e2m1_pow2_device`` emulates formats.cuh ``E2m1Pow2`` (mxfp4: the block's 2**-e folded into the
+  three lines' FMAs, |x| clamped at 6 * 2**e). It must give the reference's code of ftz(x * 2**-e) for every
+  e in [-126, 125] (e = -127 multiplies first in the kernel): the grid's rounding edges times 2**e and random x.
 
 tests/test_reference_quant.py imports this file and runs both on samples (1e6 values and the special points).
 """
@@ -234,6 +239,59 @@ def run_silu(n_random: int = 1 << 24, seed: int = 0) -> int:
     print(f"silu: {2 * mags.size + rnd.size + special.size} values, {bad} mismatches, {time.time() - t0:.0f} s")
     return bad
 
+# ---- mxfp4: 2**-e folded into the e2m1 lines ------------------------------------------------------------------
+def e2m1_pow2_device(x: np.ndarray, e: np.ndarray) -> np.ndarray:
+    """formats.cuh ``E2m1Pow2(e)(x)`` then the sign of x: the e2m1 code of x * 2**-e without the multiply (mxfp4,
+    e in [-126, 126]): a = min(|x|, 6 * 2**e) (FMNMX.FTZ), the three lines as FMAs with 2**(1-e), 2**-e, 2**(-1-e),
+    their minimum. x and e broadcast; uint8 codes."""
+    x = np.ascontiguousarray(x, dtype=F32)
+    e = np.asarray(e, dtype=np.int64)
+    M = F32(1.5 * 2.0**23)
+    pow2 = lambda k: (np.asarray(k, np.int64).astype(U32) << U32(23)).view(F32)  # noqa: E731 (pow2_from_biased)
+    clamp = ((np.asarray(e + 129, np.int64).astype(U32) << U32(23)) | U32(0x400000)).view(F32)
+    with np.errstate(all="ignore"):
+        a = np.fmin(ftz(np.abs(x)), clamp)
+        t1 = fma32(a, np.broadcast_to(pow2(128 - e), a.shape), np.full(a.shape, M))
+        t2 = fma32(a, np.broadcast_to(pow2(127 - e), a.shape), np.full(a.shape, M + F32(2.0)))
+        t3 = fma32(a, np.broadcast_to(pow2(126 - e), a.shape), np.full(a.shape, M + F32(4.0)))
+        t = np.fmin(np.fmin(t1, t2), t3)  # FMNMX: a NaN operand gives the other (none arises for e <= 125)
+    return ((t.view(U32) - E2M1_BIAS) | ((x.view(U32) >> U32(28)) & U32(8))).astype(np.uint8)
+
+
+def check_e2m1_pow2(x: np.ndarray, e: np.ndarray) -> int:
+    """Mismatches between e2m1_pow2_device(x, e) and the reference's mxfp4 codes e2m1(ftz(ftz(x) * 2**-e)), for
+    finite x (a NaN or Inf makes its block unspecified) and e in [-126, 125] (x, e broadcast)."""
+    x, e = np.broadcast_arrays(np.asarray(x, F32), np.asarray(e, np.int64))
+    ok = np.isfinite(x)
+    x, e = np.ascontiguousarray(x[ok]), np.ascontiguousarray(e[ok])
+    with np.errstate(all="ignore"):
+        want = e2m1_encode(ftz(ftz(x) * np.ldexp(F32(1.0), -e).astype(F32)))
+    got = e2m1_pow2_device(x, e)
+    bad = np.flatnonzero(got != want)
+    for i in bad[:5]:
+        print(f"  e2m1 pow2 mismatch: e = {e[i]}, x bits {x.view(U32)[i]:#010x} ({x[i]!r}): device {got[i]}, "
+              f"reference {want[i]}")
+    return int(bad.size)
+
+
+def run_e2m1_pow2(per_e: int = 1 << 20, seed: int = 0) -> int:
+    """Every e in [-126, 125]: the rounding edges of the grid times 2**e and their neighbours, and per_e random
+    values spread over 2**(e-30) .. 2**(e+4) (products from flushed to saturated)."""
+    rng = np.random.default_rng(seed)
+    thr = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 7.0], np.float64)
+    bad, t0 = 0, time.time()
+    for e in range(-126, 126):
+        with np.errstate(all="ignore"):
+            mid = (thr * 2.0**e).astype(F32)
+            edges = np.concatenate([mid, np.nextafter(mid, F32(0)), np.nextafter(mid, F32(np.inf))])
+            rnd = (rng.uniform(1, 2, per_e) * np.exp2(rng.integers(e - 30, e + 4, per_e))).astype(F32)
+        v = np.concatenate([edges, rnd, [F32(2.0**-126), F32(0.0)]])
+        v = v * np.where(rng.random(v.size) < 0.5, F32(-1), F32(1))
+        bad += check_e2m1_pow2(v, e)
+    print(f"e2m1 pow2: {bad} mismatches, every e in [-126, 125], {per_e} random values each "
+          f"({time.time() - t0:.0f} s)")
+    return bad
+
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -244,9 +302,12 @@ def main() -> int:
     d.add_argument("--s-step", type=int, default=1, help="take every n-th divisor significand (default 1: all)")
     d.add_argument("--seed", type=int, default=0)
     sub.add_parser("silu", help="fused_silu's silu_f32 (the |g| in [85, 89] range and random patterns)")
+    sub.add_parser("e2m1pow2", help="mxfp4's e2m1 lines with 2**-e folded in, every e")
     a = p.parse_args()
     if a.what == "silu":
         return 1 if run_silu() else 0
+    if a.what == "e2m1pow2":
+        return 1 if run_e2m1_pow2() else 0
     bad = run_e2m1() if a.what == "e2m1" else run_fp8div(a.per_s, a.s_step, a.seed)
     return 1 if bad else 0
 

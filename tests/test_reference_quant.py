@@ -183,6 +183,16 @@ def test_e2m1_device_algorithm_matches_reference(rng):
     np.testing.assert_array_equal(chk.e2m1x8_device(v8), want)
 
 
+def test_e2m1_pow2_device_algorithm_matches_reference():
+    """mxfp4's e2m1 with the block's 2**-e folded into the three lines (formats.cuh E2m1Pow2) gives the reference's
+    code of ftz(x * 2**-e) for every e in [-126, 125]: the grid's rounding edges times 2**e, their neighbours and
+    4096 random values per e (`python scripts/check_exhaustive.py e2m1pow2`: 2**20). At e = -127 it would not (2**128
+    overflows; x = 0 gives code 2), which is why the kernels multiply first in a warp holding such a block."""
+    chk = _exhaustive_script()
+    assert chk.run_e2m1_pow2(per_e=1 << 12) == 0
+    assert chk.check_e2m1_pow2(np.array([0.0, 2.0**-126, 1.5 * 2.0**-125], F32), -127) > 0
+
+
 def test_fp8_division_algorithm_is_the_ieee_quotient(rng):
     """The fp8 quantizer's x / s (RN(1/s), two FMA corrections, the sign of x) on 2**20 pairs of significands,
     a third of them with the quotient within a few ulps of a rounding midpoint; plus the quantizer's extremes.
