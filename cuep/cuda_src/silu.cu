@@ -53,50 +53,28 @@ __device__ __forceinline__ void copy_pieces(uint8_t* to, const uint8_t* from) {
 // "flushed first".
 __device__ __forceinline__ float swiglu(float gate, float up) { return __fmul_rn(silu_f32(gate), up); }
 
-// Source of y values for the row quantizer: issues the gate and up loads, then computes y (inputs flushed first).
+// Source of y values for the row quantizer (warp_encode_span): a row's gate and up values as fused_silu_rows
+// stages them in shared memory, and y = swiglu(gate, up) from a lane's raw words (inputs flushed first). Stateless:
+// the kernel copies the ranges itself.
 template <class T, bool kInterleaved>
 struct SwigluSource {
     struct Raw {
         Raw8<T> a, b;  // halves: gate, up; interleaved: values [2col, 2col + 8), [2col + 8, 2col + 16)
     };
     static constexpr bool kBf16ByCvt = true;  // y is flushed; a NaN y may become any bf16 NaN (docs/formats.md)
-    const T* gate;  // halves: the row's gate half; interleaved: the row
-    const T* up;    // halves: the row's up half (gate + I); interleaved: unused
-    __device__ __forceinline__ SwigluSource at(int col) const {
-        const unsigned c = unsigned(col);
-        if constexpr (kInterleaved)
-            return SwigluSource{gate + 2 * c, up};
-        else
-            return SwigluSource{gate + c, up + c};
-    }
-    __device__ __forceinline__ void prefetch(int col) const {
-        if constexpr (kInterleaved) {
-            prefetch_l2(gate + 2 * col);
-        } else {
-            prefetch_l2(gate + col);
-            prefetch_l2(up + col);
-        }
-    }
-    template <bool kL1 = false>
-    __device__ __forceinline__ Raw load(int col) const {
-        if constexpr (kInterleaved)
-            return Raw{load8<T, kL1>(gate + 2 * col), load8<T, kL1>(gate + 2 * col + kLaneValues)};
-        else
-            return Raw{load8<T, kL1>(gate + col), load8<T, kL1>(up + col)};
-    }
-    // The span of values [col0, col0 + n) of the row as contiguous byte ranges (halves: gate then up, each
-    // n values; interleaved: 2n values), copied into a stage buffer back to back; `stage_raw` reads a lane's raw
-    // load of value col (as load(col)) from that buffer.
+    // The span of values [col0, col0 + n) of a row as contiguous byte ranges (halves: gate then up, each n values,
+    // range r at byte r * I * sizeof(T) + col0 * sizeof(T) of the row; interleaved: one range of 2n values at byte
+    // 2 col0 sizeof(T)), copied into a stage buffer back to back; `stage_raw` reads a lane's raw words of value col
+    // from that buffer.
     static constexpr int kRanges = kInterleaved ? 1 : 2;
-    __device__ __forceinline__ const uint8_t* range(int col0, int r) const {
-        return reinterpret_cast<const uint8_t*>(kInterleaved ? gate + 2 * col0 : (r == 0 ? gate : up) + col0);
-    }
     __host__ __device__ static constexpr int range_bytes(int n) { return (kInterleaved ? 2 : 1) * n * int(sizeof(T)); }
+    __device__ __forceinline__ static int range_offset(int r, int inter) { return r * inter * int(sizeof(T)); }
     template <int kSpanValues>
     __device__ __forceinline__ static Raw stage_raw(const uint8_t* stage, int rel_col) {
         const uint4* a = reinterpret_cast<const uint4*>(stage + (kInterleaved ? 2 : 1) * rel_col * int(sizeof(T)));
-        const uint4* b = kInterleaved ? a + Raw8<T>::kWords
-                                      : reinterpret_cast<const uint4*>(stage + (kSpanValues + rel_col) * int(sizeof(T)));
+        const uint4* b = kInterleaved
+                             ? a + Raw8<T>::kWords
+                             : reinterpret_cast<const uint4*>(stage + (kSpanValues + rel_col) * int(sizeof(T)));
         Raw r;
 #pragma unroll
         for (int i = 0; i < Raw8<T>::kWords; ++i) {
@@ -293,7 +271,7 @@ __device__ __forceinline__ void fused_silu_rows(const T* __restrict__ h, const i
         const bool whole = left > (kPieces - 1) * kWarp * 16;  // all of this lane's pieces: but in a short last span
 #pragma unroll
         for (int r = 0; r < Src::kRanges; ++r) {
-            const uint8_t* from = from0 + r * inter * int(sizeof(T));  // halves: the up range follows the gate's
+            const uint8_t* from = from0 + Src::range_offset(r, inter);
             uint8_t* to = stage + r * (kSiluStageBytes / Src::kRanges);
             if (whole) {
                 copy_pieces<0, kPieces>(to, from);
@@ -342,7 +320,7 @@ __device__ __forceinline__ void fused_silu_rows(const T* __restrict__ h, const i
             for (int j = 0; j < kSteps; ++j)
                 raw[j] = Src::template stage_raw<kSpan>(stage, wg.lane * L::kN + L::offset(j));
             const int row = at.base + member_row(k);
-            const Src src{h, h};  // the values come from the stage: src only converts them
+            const Src src{};
             uint8_t* prow = out + uint64_t(uint32_t(row)) * out_row_bytes;
             const int col0 = at.span * kSpan;
             if constexpr (kFmt == kFmtBf16) {
