@@ -22,4 +22,6 @@ def test_soak_300_rounds():
     b, e = s["memory_before"], s["memory_after"]
     print(f"memory after warm-up {b}, after the rounds {e}")
     assert e["pool_used_bytes"] == b["pool_used_bytes"], (b, e)
-    assert e["free_bytes"] == b["free_bytes"], (b, e)
+    # free_bytes is the device's (cudaMemGetInfo): run this test with no other process on the GPU (a pytest run
+    # beside it moved it by 8 MiB on an H200 while pool_used_bytes stayed equal; alone it held)
+    assert e["free_bytes"] == b["free_bytes"], (b, e, "device-wide free memory: is another process on this GPU?")
