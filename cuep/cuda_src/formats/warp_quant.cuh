@@ -117,29 +117,30 @@ __device__ __forceinline__ void fp8_encode(const float (&v)[kN], float s, float 
                e4m3x2_encode(div_rn_by(v[4 * k + 2], s, y), div_rn_by(v[4 * k + 3], s, y)) << 16;
 }
 
-// e2m1 codes of x_i * m (nvfp4: m = r, mxfp4: m = 2**-e), eight per word.
-template <int kN>
-__device__ __forceinline__ void fp4_encode(const float (&v)[kN], float m, uint32_t (&w)[kN / 8]) {
+// e2m1 codes of scaled(x_i), eight per word: biased (e2m1_biased, or E2m1Pow2 with the scaling folded in) of
+// each pre(x_i).
+template <int kN, class Pre, class Biased>
+__device__ __forceinline__ void fp4_encode_with(const float (&v)[kN], const Pre& pre, const Biased& biased,
+                                                uint32_t (&w)[kN / 8]) {
 #pragma unroll
     for (int k = 0; k < kN / 8; ++k) {
         float y[kLaneValues];
 #pragma unroll
-        for (int i = 0; i < kLaneValues; ++i) y[i] = __fmul_rn(v[8 * k + i], m);
-        w[k] = e2m1x8_encode(y);
+        for (int i = 0; i < kLaneValues; ++i) y[i] = pre(v[8 * k + i]);
+        w[k] = e2m1x8_pack(y, biased);
     }
+}
+
+// e2m1 codes of x_i * m (nvfp4: m = r, mxfp4: m = 2**-e), eight per word.
+template <int kN>
+__device__ __forceinline__ void fp4_encode(const float (&v)[kN], float m, uint32_t (&w)[kN / 8]) {
+    fp4_encode_with(v, [m](float x) { return __fmul_rn(x, m); }, [](float y) { return e2m1_biased(y); }, w);
 }
 
 // e2m1 codes of x_i * 2**-e (mxfp4, e in [-126, 126]: E2m1Pow2), eight per word.
 template <int kN>
 __device__ __forceinline__ void fp4_encode_pow2(const float (&v)[kN], int e, uint32_t (&w)[kN / 8]) {
-    const E2m1Pow2 biased(e);
-#pragma unroll
-    for (int k = 0; k < kN / 8; ++k) {
-        float x[kLaneValues];
-#pragma unroll
-        for (int i = 0; i < kLaneValues; ++i) x[i] = v[8 * k + i];
-        w[k] = e2m1x8_pack(x, biased);
-    }
+    fp4_encode_with(v, [](float x) { return x; }, E2m1Pow2(e), w);
 }
 
 // Quantize this lane's kN (8 or 16) consecutive values; a scale block is an aligned group of kBlock / kN lanes.
