@@ -3,14 +3,14 @@
     pytest benchmarks/bench_ops.py --benchmark-only          # pytest-benchmark (CUDA-event numbers in extra_info)
     python benchmarks/bench_ops.py [--n 4096 16384 32768] [--hidden 7168] [--iters 20] [--allocs 3]   # a table
 
-Each case is timed with CUDA events around the launch (median of ``iters`` runs after warm-up; the L2 cache is
-flushed before every run, so the numbers are cold-cache). The table builds each case ``allocs`` times, every
-build's buffers held while the next is made so that each lands elsewhere in memory, and reports the median of the
-builds' medians with their range: where the buffers lie moves some kernels by several percent (H200, quantize
-nvfp4 N = 32768: 157-158 us in most placements, 165-174 us in one reproducible allocation order, with the same
-relative addresses; re-allocating any one of its three buffers gave 157-159 us). Achieved bandwidth = (bytes read + bytes written) / time;
-the ratio is against the best measured device-to-device copy (cudaMemcpyAsync and a CuPy copy kernel of a large
-buffer, also read + written). No timing is asserted: benchmarks print and save numbers.
+Each case is timed with CUDA events around the launch (median of ``iters`` runs after warm-up; the L2 cache is flushed
+before every run, so the numbers are cold-cache). The table builds each case ``allocs`` times, every build's buffers
+held while the next is made so that each lands elsewhere in memory, and reports the median of the builds' medians with
+their range: where the buffers lie moves some kernels by several percent (H200, quantize nvfp4 N = 32768: 157-158 us
+in most placements, 165-174 us in one reproducible allocation order, with the same relative addresses; re-allocating
+any one of its three buffers gave 157-159 us). Achieved bandwidth = (bytes read + bytes written) / time; the ratio is
+against the best measured device-to-device copy (cudaMemcpyAsync and a CuPy copy kernel of a large buffer, also read +
+written). No timing is asserted: benchmarks print and save numbers.
 
 Cases: quantize to fp8 / nvfp4 / mxfp4 from bf16 and to bf16 from float32, x [N, H]; fused_silu from bf16
 h [N, 2H] (I = H) to bf16 / fp8 / nvfp4 / mxfp4, all N rows in 8 expert groups, row count read on the device.
