@@ -371,6 +371,13 @@ def _combine_chunks_of(buf, host, n: int) -> int:
     return c
 
 
+def _combine_local_name(host, plan: int) -> str:
+    """The one-rank combine kernel of a round whose chunk plan (:func:`_combine_chunks_of`) is ``plan``: the one
+    with 8 rows' loads in flight (cuda_src/combine/local.cuh kRows) where every item is a whole token (one chunk a
+    token, or no plan: a token a warp) and the combine dtype is bf16, else the one with 4."""
+    return host.combine_wide if host.combine_wide and plan >> 16 <= 1 else host.combine_names[True]
+
+
 _COMBINE_RING = 2                # kCombineRing in cuda_src/combine.cu (stages of the bf16 partial-sum load ring)
 _COMBINE_PIECE_BYTES = 4 * 2 * 32 * 16  # kCombinePieceBytes: 4 rows x 64 vectors of 16 bytes
 #: Dynamic shared memory of combine's bf16 load ring (kCombineRingBytes: every bf16 partial-sum send needs it).
@@ -391,7 +398,8 @@ class _Host:
 
     __slots__ = ("names", "orders", "launches", "hidden", "top_k", "max_tokens", "capacity", "fmt", "cdt",
                  "combine_suffix", "where", "views", "one_rank", "small", "chunks", "combine_chunks",
-                 "offsets_smem", "results", "plans", "combine_names", "devices", "x_dtypes", "cdts", "ipc",
+                 "offsets_smem", "results", "plans", "combine_names", "combine_wide", "devices", "x_dtypes", "cdts",
+                 "ipc",
                  "recv_name", "single", "status", "torch_results", "torch_views")
 
     def __init__(self, buf: Buffer):
@@ -431,6 +439,8 @@ class _Host:
         self.torch_views: dict = {}
         self.combine_names = {local: f"combine.cu:cuep_combine_{'local_' if local else ''}{self.combine_suffix}"
                               for local in (False, True)}
+        # the one-rank combine with 8 rows in flight, for rounds of whole-token items (bf16 only: _combine_local_name)
+        self.combine_wide = "combine.cu:cuep_combine_local_wide_bf16" if self.combine_suffix == "bf16" else None
 
     def order(self, buf: Buffer, phases: int) -> list:
         o = self.orders.get(phases)
@@ -1128,14 +1138,14 @@ def _combine_single_launch(buf, host, phases: int, mode: int, stream, eo_ptr: in
     local = rounds["local"]
     ph = 0 if local and not phases & PHASE_RECV else phases
     if ph:
-        name = host.combine_names[local]
+        chunks = _combine_chunks_of(buf, host, N) if local else 0
+        name = _combine_local_name(host, chunks) if local else host.combine_names[False]
         smem = host.offsets_smem if local else COMBINE_RING_BYTES if (
             ph & PHASE_SEND and mode == MODE_PARTIAL and host.combine_suffix == "bf16") else 0
         launch = host.launches.get((0, name, smem))
         if launch is None or (host.ipc and "combine.cu" not in buf._launched) \
                 or _runtime.getDevice() != host.devices[0]:
             return False
-        chunks = _combine_chunks_of(buf, host, N) if local else 0
         values = (eo_ptr, ids_ptr, w_ptr, rs_ptr, out_ptr, N, mode, _with_one_call(ph), chunks)
         if stream is None:
             launch.launch_call(buf.num_sms, *values)
@@ -1217,15 +1227,17 @@ def _combine(buf: Buffer, expert_out, dispatched, topk_weights, residual, phases
                 runtime.setDevice(dev)
             mode = modes[i]
             smem = COMBINE_RING_BYTES if (ph & PHASE_SEND and ring and mode == MODE_PARTIAL) else 0
+            chunks = 0
             if local:
-                smem = host.offsets_smem
+                smem, chunks = host.offsets_smem, _combine_chunks_of(buf, host, d.num_tokens)
+                name = _combine_local_name(host, chunks)
             launch = host.launches.get((i, name, smem)) or _prepared(buf, i, name, _THREADS, smem)
             if host.ipc:
                 _before_launch(buf, "combine.cu")
             w, rs = ws[i], res[i]
             launch.launch_call(buf.num_sms, eos[i].data.ptr, _ptr(d._topk_ids), 0 if w is None else w.data.ptr,
                                0 if rs is None else rs.data.ptr, outs[i].data.ptr, d.num_tokens, mode,
-                               ph | one_call, _combine_chunks_of(buf, host, d.num_tokens) if local else 0)
+                               ph | one_call, chunks)
     finally:
         if dev != home:
             runtime.setDevice(home)

@@ -631,3 +631,34 @@ def test_combine_chunks_cover_each_row_exactly(hidden, blocks, warps):
     assert ep._combine_chunks(1, 7168, 132, 16) == 32 | 28 << 16
     assert ep._combine_chunks(2112, 7168, 132, 16) == 896 | 1 << 16
     assert "take_chunk_plan(a.chunk_plan, n_vec," in (_kernels.SRC_DIR / "combine" / "local.cuh").read_text()
+
+
+def test_one_rank_combine_kernel_by_chunk_plan():
+    """ep._combine_local_name: the one-rank bf16 combine takes the kernel with 8 rows in flight where its items are
+    whole tokens (one chunk a token, or no plan), the one with 4 where chunks split a token; float32 always 4."""
+    bf16 = types.SimpleNamespace(combine_wide="combine.cu:cuep_combine_local_wide_bf16",
+                                 combine_names={True: "combine.cu:cuep_combine_local_bf16"})
+    f32 = types.SimpleNamespace(combine_wide=None, combine_names={True: "combine.cu:cuep_combine_local_f32"})
+    wide, narrow = bf16.combine_wide, bf16.combine_names[True]
+    plan = {n: ep._combine_chunks(n, 7168, 132, 16) for n in (1, 128, 1056, 1057, 2112, 4096)}  # 1 chunk from 1057
+    assert [ep._combine_local_name(bf16, plan[n]) for n in plan] == [narrow] * 3 + [wide] * 3
+    assert ep._combine_local_name(bf16, 0) == wide  # no plan: the kernel takes a token a warp
+    assert {ep._combine_local_name(f32, p) for p in [0, *plan.values()]} == {f32.combine_names[True]}
+    src = (_kernels.SRC_DIR / "combine.cu").read_text()
+    assert "CUEP_COMBINE_LOCAL(cuep_combine_local_wide_bf16, cuep::bf16_t, 8)" in src
+    assert "CUEP_COMBINE_LOCAL(cuep_combine_local_bf16, cuep::bf16_t, 4)" in src
+
+
+def test_one_rank_combine_launches_the_wide_kernel_for_whole_tokens(launches):
+    """H = 256 on 4 x 16 warps: a row is one chunk at every N, so the one-rank combine (fused, and combine_wait)
+    launches cuep_combine_local_wide_bf16 on the general and the short path alike."""
+    x, ids, w, cw, res = combine_inputs(16, True, False, False)
+    buf = make_buffer("bf16", 1)
+    d = ep._dispatch(buf, x, ids, w, 1.0, ep._PHASES_ALL)[0]
+    eo = FakeArray((buf.cfg.capacity, H), BF16)
+    launches.clear()
+    ep._combine(buf, eo, d, None, None, ep._PHASES_ALL)
+    ep._combine_single(buf, eo, d, None, None, ep._PHASES_ALL)
+    ep._combine_single(buf, eo, d, None, None, ep.PHASE_NOTIFY | ep.PHASE_SEND)
+    ep._combine_single(buf, eo, d, None, None, ep.PHASE_RECV)
+    assert [entry[0] for entry in launches] == ["combine.cu:cuep_combine_local_wide_bf16"] * 3

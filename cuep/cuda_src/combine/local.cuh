@@ -10,7 +10,35 @@
 
 namespace cuep {
 
-template <typename TC>
+// One 8-value vector of an expert row: kWide, widened at the load (8 floats); else kept as loaded (bf16 16 bytes,
+// float32 32) and widened when summed, which 8 rows in flight need to fit the registers.
+template <typename TC, bool kWide>
+struct RowVector {
+    float f[kWide ? 8 : 1];
+    uint4 w[kWide ? 1 : sizeof(TC) == 2 ? 1 : 2];
+    __device__ __forceinline__ void load(const TC* p) {
+        if constexpr (kWide) {
+            load8f(p, f);
+        } else {
+            w[0] = reinterpret_cast<const uint4*>(p)[0];
+            if constexpr (sizeof(TC) != 2) w[1] = reinterpret_cast<const uint4*>(p)[1];
+        }
+    }
+    __device__ __forceinline__ void values(float (&v)[8]) const {
+        if constexpr (kWide) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) v[i] = f[i];
+        } else if constexpr (sizeof(TC) == 2) {
+            bf16x8_values<false>(w[0], v);
+        } else {
+            f32x8_values<false>(w[0], w[1], v);
+        }
+    }
+};
+
+// kRows: rows' loads in flight per warp, 4, or 8 in the kernel for whole-token items (cuep/ep.py picks it where
+// the round's chunk plan is a token a warp): H200, N = 4096, 155.8 -> 141.9 us (bf16; 4 kept the HBM waiting).
+template <typename TC, int kRows>
 __device__ void combine_local(const EPParams& ep, const CombineArgs& a) {
     // Thread 0 tests the failed flag at once (checked after the barrier below, before any store). (Compared late, as
     // the one-rank dispatch does (read_failed), combine took 2-3% longer at N = 1 and 32 on an H100.)
@@ -82,27 +110,30 @@ __device__ void combine_local(const EPParams& ep, const CombineArgs& a) {
         for (int c0 = c_begin; c0 < c_end; c0 += kWarp) {
             const int c = c0 + lane;
             float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-            for (unsigned mk = valid; mk;) {  // 4 rows' loads in flight, summed in k order
-                int rk[4], kk[4];
-                float wk[4], v[4][8];
+            for (unsigned mk = valid; mk;) {  // kRows rows' loads in flight, summed in k order
+                int rk[kRows], kk[kRows];
+                float wk[kRows];
+                RowVector<TC, kRows == 4> v[kRows];
 #pragma unroll
-                for (int u = 0; u < 4; ++u) {
+                for (int u = 0; u < kRows; ++u) {
                     kk[u] = mk ? __ffs(mk) - 1 : 0;
                     rk[u] = mk ? __shfl_sync(0xffffffffu, row, kk[u]) : -1;
                     if (mk) mk &= mk - 1;
                 }
 #pragma unroll
-                for (int u = 0; u < 4; ++u)
-                    if (rk[u] >= 0 && c < c_end) load8f(eo + static_cast<long long>(rk[u]) * H + 8 * c, v[u]);
+                for (int u = 0; u < kRows; ++u)
+                    if (rk[u] >= 0 && c < c_end) v[u].load(eo + static_cast<long long>(rk[u]) * H + 8 * c);
                 // the weights after the rows' loads are issued (a partial's weight is read through its row: its load
                 // then overlaps theirs)
 #pragma unroll
-                for (int u = 0; u < 4; ++u) wk[u] = __shfl_sync(0xffffffffu, w, kk[u]);
+                for (int u = 0; u < kRows; ++u) wk[u] = __shfl_sync(0xffffffffu, w, kk[u]);
 #pragma unroll
-                for (int u = 0; u < 4; ++u) {
+                for (int u = 0; u < kRows; ++u) {
                     if (rk[u] < 0 || c >= c_end) continue;
+                    float f[8];
+                    v[u].values(f);
 #pragma unroll
-                    for (int i = 0; i < 8; ++i) acc[i] += wk[u] * v[u][i];
+                    for (int i = 0; i < 8; ++i) acc[i] += wk[u] * f[i];
                 }
             }
             if (c < c_end) finish_out_vector<TC>(ep, a, sh_lo, sh_hi, t, c, acc);
