@@ -26,6 +26,17 @@ def local_launches(buf, op: str = "dispatch") -> int:
     return sum(1 for key in (host.launches if host else {}) if f":cuep_{op}_local_" in key[1])
 
 
+NARROW, WIDE, F32 = "cuep_combine_local_bf16", "cuep_combine_local_wide_bf16", "cuep_combine_local_f32"
+
+
+def combine_kernels(buf) -> set:
+    """The one-rank combine kernels this buffer has prepared: bf16 takes WIDE (8 rows in flight) for rounds whose
+    items are whole tokens (ep._combine_local_name: N = 0, and N >= 1057 at H = 1024 or 7168 on 132 x 16 warps), else
+    NARROW."""
+    host = buf._launch_cache.get("host")
+    return {key[1].split(":")[1] for key in (host.launches if host else {}) if ":cuep_combine_local_" in key[1]}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("shared", [False, True], ids=["routed", "shared_expert"])
@@ -40,7 +51,7 @@ def test_local_rounds_match_reference(fmt, shared, rng):
     run_round(buf, cfg, rng, [12], async_halves=True)  # two launches: the protocol's halves
     run_round(buf, cfg, rng, [12], bare=True)
     assert local_launches(buf) >= 3  # small and larger rounds, bf16 / f32 input
-    assert local_launches(buf, "combine") == 1
+    assert combine_kernels(buf) == {NARROW, WIDE}  # WIDE for the round of 0 tokens
     buf.close()
 
 
@@ -54,7 +65,7 @@ def test_larger_local_rounds(fmt, rng):
         run_round(buf, cfg, rng, [n], skew=skew)
     run_round(buf, cfg, rng, [100], weights_at="combine", residual=True)
     run_round(buf, cfg, rng, [100], weights_at=None)
-    assert local_launches(buf) == 1 and local_launches(buf, "combine") == 1
+    assert local_launches(buf) == 1 and combine_kernels(buf) == {NARROW, WIDE}  # WIDE: N = 0
     buf.close()
 
 
@@ -71,7 +82,7 @@ def test_larger_local_rounds_gather_scales(fmt, rng):
                            (16, False, None), (100, False, None)):
         kw = {} if dtype is None else {"dtype": dtype}
         run_round(buf, cfg, rng, [n], skew=skew, **kw)
-    assert local_launches(buf) == 3 and local_launches(buf, "combine") == 1
+    assert local_launches(buf) == 3 and combine_kernels(buf) == {NARROW, WIDE}  # WIDE: 1280-1600 tokens
     buf.close()
 
 
@@ -97,13 +108,15 @@ def test_fp4_padding_zeroed_across_rounds(fmt, hidden, rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n", [5, 40])
+@pytest.mark.parametrize("n", [5, 40, 1200])
 def test_local_combine_halves(n, rng):
-    # after a one-rank dispatch (bf16: both N take one, small and larger), combine_async launches nothing and
-    # combine_wait sums: bit-identical to a fused combine (the protocol's halves round a partial sum to bf16 first)
+    # after a one-rank dispatch (bf16: every N takes one, small and larger), combine_async launches nothing and
+    # combine_wait sums: bit-identical to a fused combine (the protocol's halves round a partial sum to bf16 first);
+    # 1200 tokens are whole-token items (the combine kernel with 8 rows in flight), each checked against the reference
     import cupy
 
-    cfg, buf = make(dispatch_format="bf16", fused_shared_expert=True)
+    cfg, buf = make(dispatch_format="bf16", fused_shared_expert=True, max_tokens_per_rank=max(48, n))
+    run_round(buf, cfg, rng, [n], weights_at="combine", residual=True)
     xs, ids, ws = make_inputs(rng, cfg, [n])
     gx, gids, gws = to_devices(buf.group, xs), to_devices(buf.group, ids), to_devices(buf.group, ws)
     eo = to_devices(buf.group, [random_tokens(rng, cfg.capacity, cfg.hidden)])[0]
@@ -117,7 +130,7 @@ def test_local_combine_halves(n, rng):
         halves = cuep.combine_wait(buf, [eo], d, w, residual=r)[0]
         buf.synchronize()
         np.testing.assert_array_equal(halves.view(cupy.uint16).get(), fused.view(cupy.uint16).get())
-    assert local_launches(buf, "combine") == 1
+    assert combine_kernels(buf) == ({WIDE} if n > buf.num_sms * 8 else {NARROW})  # whole tokens: N > grid warps / 2
     buf.close()
 
 
@@ -128,7 +141,7 @@ def test_local_rounds_float32_combine(shared, rng):
     for n, weights_at, residual in ((9, "dispatch", False), (32, "combine", True), (3, None, False),
                                     (40, "dispatch", True), (1, "dispatch", True)):
         run_round(buf, cfg, rng, [n], weights_at=weights_at, residual=residual)
-    assert local_launches(buf, "combine") == 1
+    assert combine_kernels(buf) == {F32}
     buf.close()
 
 
