@@ -878,7 +878,59 @@ def _combine_wait_torch(buf, expert_out, dispatched, topk_weights=None, *, resid
     return NotImplemented if out is None else out
 
 
-@torch_aware(fast=_dispatch_torch)
+# The plain (CuPy) short paths, tried by torch_aware before its argument scan: a call whose arrays are all CuPy
+# arrays of one local rank, in the common case, launches without the scan; NotImplemented for anything else (any
+# torch tensor or torch call's Dispatched among the arguments fails their type tests), which then goes on as before.
+def _dispatch_plain(buf, x, topk_ids, topk_weights=None, *, global_scale=1.0, validate=False):
+    d = None if validate else _dispatch_single(buf, x, topk_ids, topk_weights, global_scale, _PHASES_ALL)
+    return NotImplemented if d is None else d
+
+
+def _dispatch_async_plain(buf, x, topk_ids, topk_weights=None, *, global_scale=1.0, validate=False):
+    d = None if validate else _dispatch_single(buf, x, topk_ids, topk_weights, global_scale,
+                                                PHASE_NOTIFY | PHASE_SEND)
+    return NotImplemented if d is None else d
+
+
+def _dispatch_wait_plain(pending):
+    """dispatch_wait's short path for a CuPy Dispatched of one local rank (:func:`_dispatch_wait_torch`'s on
+    CuPy's current stream)."""
+    if type(pending) is not Dispatched or pending._torch:
+        return NotImplemented
+    buf = pending._buffer
+    host = _single_host(buf)
+    if host is None or host.ipc or _pending_in_order([pending]) is None:
+        return NotImplemented
+    threads, smem = _dispatch_launch(buf, False)
+    launch = host.launches.get((0, host.recv_name, smem))
+    if launch is None or _runtime.getDevice() != host.devices[0]:
+        return NotImplemented
+    launch.launch_call(buf.num_sms, 0, 0, 0, pending.num_tokens, 1.0, PHASE_RECV, 0)
+    buf._rounds["pending"] = None
+    return pending
+
+
+def _combine_plain_with(buf, expert_out, dispatched, topk_weights, residual, phases: int):
+    if type(dispatched) is Dispatched and dispatched._torch:  # a torch dispatch's round: torch results
+        return NotImplemented
+    out = _combine_single(buf, expert_out, dispatched, topk_weights, residual, phases)
+    return NotImplemented if out is None else out
+
+
+def _combine_plain(buf, expert_out, dispatched, topk_weights=None, *, residual=None):
+    return _combine_plain_with(buf, expert_out, dispatched, topk_weights, residual, _PHASES_ALL)
+
+
+def _combine_async_plain(buf, expert_out, dispatched, topk_weights=None, *, residual=None):
+    out = _combine_plain_with(buf, expert_out, dispatched, topk_weights, residual, PHASE_NOTIFY | PHASE_SEND)
+    return NotImplemented if out is NotImplemented else None
+
+
+def _combine_wait_plain(buf, expert_out, dispatched, topk_weights=None, *, residual=None):
+    return _combine_plain_with(buf, expert_out, dispatched, topk_weights, residual, PHASE_RECV)
+
+
+@torch_aware(fast=_dispatch_torch, plain=_dispatch_plain)
 def dispatch(buf: Buffer, x, topk_ids, topk_weights=None, *, global_scale: float = 1.0, validate: bool = False):
     """Send every token to the ranks of its top-k experts and lay them out expert-major (one launch per rank).
 
@@ -908,7 +960,7 @@ def dispatch(buf: Buffer, x, topk_ids, topk_weights=None, *, global_scale: float
     return res if isinstance(x, (list, tuple)) else res[0]
 
 
-@torch_aware(fast=_dispatch_async_torch)
+@torch_aware(fast=_dispatch_async_torch, plain=_dispatch_async_plain)
 def dispatch_async(buf: Buffer, x, topk_ids, topk_weights=None, *, global_scale: float = 1.0,
                    validate: bool = False):
     """The send half of :func:`dispatch`: returns at once; pass the result to :func:`dispatch_wait`.
@@ -925,7 +977,7 @@ def dispatch_async(buf: Buffer, x, topk_ids, topk_weights=None, *, global_scale:
     return res if isinstance(x, (list, tuple)) else res[0]
 
 
-@torch_aware(fast=_dispatch_wait_torch)
+@torch_aware(fast=_dispatch_wait_torch, plain=_dispatch_wait_plain)
 def dispatch_wait(pending):
     """The receive half: waits (on the device, bounded) for every source and builds the outputs.
 
@@ -1247,7 +1299,7 @@ def _combine(buf: Buffer, expert_out, dispatched, topk_weights, residual, phases
     return outs
 
 
-@torch_aware(fast=_combine_torch)
+@torch_aware(fast=_combine_torch, plain=_combine_plain)
 def combine(buf: Buffer, expert_out, dispatched, topk_weights=None, *, residual=None):
     """Send expert outputs back to their tokens' ranks and sum them (one launch per rank).
 
@@ -1275,7 +1327,7 @@ def combine(buf: Buffer, expert_out, dispatched, topk_weights=None, *, residual=
     return outs if isinstance(dispatched, (list, tuple)) else outs[0]
 
 
-@torch_aware(fast=_combine_async_torch)
+@torch_aware(fast=_combine_async_torch, plain=_combine_async_plain)
 def combine_async(buf: Buffer, expert_out, dispatched, topk_weights=None, *, residual=None):
     """The send half of :func:`combine`; :func:`combine_wait` with the same arguments finishes it.
 
@@ -1286,7 +1338,7 @@ def combine_async(buf: Buffer, expert_out, dispatched, topk_weights=None, *, res
         _combine(buf, expert_out, dispatched, topk_weights, residual, PHASE_NOTIFY | PHASE_SEND)
 
 
-@torch_aware(fast=_combine_wait_torch)
+@torch_aware(fast=_combine_wait_torch, plain=_combine_wait_plain)
 def combine_wait(buf: Buffer, expert_out, dispatched, topk_weights=None, *, residual=None):
     """The receive half of :func:`combine`: waits for every rank and returns the summed outputs.
 

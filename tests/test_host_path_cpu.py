@@ -662,3 +662,68 @@ def test_one_rank_combine_launches_the_wide_kernel_for_whole_tokens(launches):
     ep._combine_single(buf, eo, d, None, None, ep.PHASE_NOTIFY | ep.PHASE_SEND)
     ep._combine_single(buf, eo, d, None, None, ep.PHASE_RECV)
     assert [entry[0] for entry in launches] == ["combine.cu:cuep_combine_local_wide_bf16"] * 3
+
+
+def test_public_calls_take_the_plain_path_before_the_torch_scan(launches, torch, monkeypatch):
+    """With torch imported, a call of CuPy arrays in the common case launches through its plain short path
+    (ep._*_plain, tried by interop.torch_aware first) without the argument scan, the same launch and round state as
+    the short path itself; and the plain paths take nothing with a torch argument (torch mode gives torch
+    results)."""
+    from cuep import interop
+
+    buf = make_buffer("bf16")
+    x, ids, w = inputs(16)
+    eo = FakeArray((buf.cfg.capacity, H), BF16)
+    for phases in (ep._PHASES_ALL, ep.PHASE_NOTIFY | ep.PHASE_SEND):  # prepare every launch
+        d = ep._dispatch(buf, x, ids, w, 1.0, phases)[0]
+        if phases != ep._PHASES_ALL:
+            ep.dispatch_wait.__wrapped__(d)
+        for ph in (ep._PHASES_ALL, ep.PHASE_NOTIFY | ep.PHASE_SEND, ep.PHASE_RECV):
+            ep._combine(buf, eo, d, None, None, ph)
+
+    def scan(*a):
+        raise AssertionError("the torch argument scan ran")
+
+    monkeypatch.setattr(interop, "_wants_torch", scan)
+    for async_ in (False, True):
+        before = dict(buf._rounds)
+        launches.clear()
+        if async_:
+            d = ep.dispatch_wait(ep.dispatch_async(buf, x, ids, w))
+        else:
+            d = ep.dispatch(buf, x, ids, w)
+        out = ep.combine(buf, eo, d)
+        assert ep.combine_async(buf, eo, d) is None
+        assert ep.combine_wait(buf, eo, d) is out
+        public, after = list(launches), dict(buf._rounds)
+        buf._rounds.clear()
+        buf._rounds.update(before)
+        launches.clear()
+        if async_:
+            d2 = ep._dispatch_single(buf, x, ids, w, 1.0, ep.PHASE_NOTIFY | ep.PHASE_SEND)
+            assert ep._dispatch_wait_plain(d2) is d2
+        else:
+            d2 = ep._dispatch_single(buf, x, ids, w, 1.0, ep._PHASES_ALL)
+        for ph in (ep._PHASES_ALL, ep.PHASE_NOTIFY | ep.PHASE_SEND, ep.PHASE_RECV):
+            ep._combine_single(buf, eo, d2, None, None, ph)
+        assert public == launches and after == dict(buf._rounds) and len(public) == (5 if async_ else 3)
+
+    tx, tids, tw, teo = as_tensors(torch, x, ids, w, eo)
+    monkeypatch.setattr(interop, "_wants_torch", lambda *a: True)  # (nothing below reaches it)
+    launches.clear()
+    before = dict(buf._rounds)
+    for args in [(tx, tids, tw), (x, tids, w), (x, ids, tw), ([x], [ids], [w])]:
+        assert ep._dispatch_plain(buf, *args) is NotImplemented
+        assert ep._dispatch_async_plain(buf, *args) is NotImplemented
+    assert ep._dispatch_plain(buf, x, ids, w, validate=True) is NotImplemented
+    assert launches == [] and buf._rounds == before
+    d = ep._dispatch_single(buf, x, ids, w, 1.0, ep._PHASES_ALL)
+    launches.clear()
+    before = dict(buf._rounds)
+    for fn in (ep._combine_plain, ep._combine_async_plain):
+        assert fn(buf, teo, d) is NotImplemented
+        assert fn(buf, eo, d, tw) is NotImplemented
+    d._torch = True  # a torch dispatch's Dispatched: its combine returns torch tensors
+    assert ep._combine_plain(buf, eo, d) is NotImplemented
+    assert ep._dispatch_wait_plain(d) is NotImplemented
+    assert launches == [] and buf._rounds == before

@@ -265,3 +265,27 @@ def test_moe_weights_hold_torch_tensors_as_cupy_views(torch):
                             torch.Tensor((H, E), torch.float32))
     assert all(isinstance(a, cupy.ndarray) for a in (w.w_gate_up, w.w_down, w.router))
     assert w.w_gate_up.dtype == BF16 and w.router.dtype == np.float32 and w.n_held == G and w.intermediate == I
+
+
+def test_plain_short_path_goes_first_and_hands_on_what_it_leaves(torch, monkeypatch):
+    """torch_aware(plain=...): the plain path's result is the call's, before any scan of the arguments; where it
+    answers NotImplemented the call goes on as without it (straight to the function, or torch mode)."""
+    calls = []
+
+    def plain(x, k=1):
+        calls.append("plain")
+        return NotImplemented if x == "leave" else ("plain", x, k)
+
+    @interop.torch_aware(plain=plain)
+    def op(x, k=1):
+        """op's doc"""
+        calls.append("op")
+        return ("op", x, k)
+
+    assert op.__name__ == "op" and op.__doc__ == "op's doc" and op.__wrapped__.__name__ == "op"
+    scans = []
+    real = interop._wants_torch
+    monkeypatch.setattr(interop, "_wants_torch", lambda a, kw: scans.append(a) or real(a, kw))
+    assert op("x", k=2) == ("plain", "x", 2) and calls == ["plain"] and scans == []
+    calls.clear()
+    assert op("leave", 3) == ("op", "leave", 3) and calls == ["plain", "op"] and scans == [("leave", 3)]
