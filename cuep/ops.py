@@ -331,7 +331,27 @@ def _fused_silu_torch(h, row_offsets, out_fmt="bf16", interleaved=False, global_
     return outs[0] if f.name == "bf16" else tuple(outs)
 
 
-@torch_aware(fast=_quantize_torch)
+# The plain paths, tried by torch_aware before its argument scan: a call whose arrays are all CuPy arrays (and whose
+# other arguments are of the plain types below, none of which can hold a tensor) goes straight to the op, as the
+# scan would have sent it; anything else returns NotImplemented and goes on as before.
+def _plain_out(out) -> bool:
+    return out is None or type(out) is _ND or (type(out) is tuple and all(type(o) is _ND for o in out))
+
+
+def _quantize_plain(x, fmt, global_scale=1.0, out=None):
+    if type(x) is not _ND or type(fmt) is not str or type(global_scale) not in (float, int) or not _plain_out(out):
+        return NotImplemented
+    return quantize.__wrapped__(x, fmt, global_scale, out)
+
+
+def _fused_silu_plain(h, row_offsets, out_fmt="bf16", interleaved=False, global_scale=1.0, out=None):
+    if type(h) is not _ND or type(row_offsets) is not _ND or type(out_fmt) is not str \
+            or type(interleaved) is not bool or type(global_scale) not in (float, int) or not _plain_out(out):
+        return NotImplemented
+    return fused_silu.__wrapped__(h, row_offsets, out_fmt, interleaved, global_scale, out)
+
+
+@torch_aware(fast=_quantize_torch, plain=_quantize_plain)
 def quantize(x: cupy.ndarray, fmt: str, global_scale: float = 1.0, out=None) -> tuple[cupy.ndarray, cupy.ndarray]:
     """Encode token rows in a wire format on the GPU, bit for bit as :func:`cuep.reference.quantize`.
 
@@ -475,7 +495,7 @@ def swizzle_block_scales(scales: cupy.ndarray, row_offsets: cupy.ndarray, fmt: s
 
 
 # ---- fused SwiGLU ---------------------------------------------------------------------------------------------
-@torch_aware(fast=_fused_silu_torch)
+@torch_aware(fast=_fused_silu_torch, plain=_fused_silu_plain)
 def fused_silu(h: cupy.ndarray, row_offsets: cupy.ndarray, out_fmt: str = "bf16", interleaved: bool = False,
                global_scale: float = 1.0, out=None):
     """``silu(gate) * up`` of the rows below ``row_offsets[-1]``, as bf16 or quantized for the down GEMM.

@@ -727,3 +727,44 @@ def test_public_calls_take_the_plain_path_before_the_torch_scan(launches, torch,
     assert ep._combine_plain(buf, eo, d) is NotImplemented
     assert ep._dispatch_wait_plain(d) is NotImplemented
     assert launches == [] and buf._rounds == before
+
+
+def test_ops_plain_paths_call_the_op_without_the_torch_scan(ops_launches, torch, monkeypatch):
+    """ops.quantize / ops.fused_silu with torch imported: a call of CuPy arrays and plain arguments goes straight to
+    the op (the same launch as the op itself, no argument scan); any torch tensor, or an argument of another type
+    (which could hold one), is left to the scan (NotImplemented)."""
+    from cuep import interop
+    from cuep.formats import FORMATS
+
+    ops, log = ops_launches
+    f, n = FORMATS["fp8"], 8
+    x = FakeArray((n, H), BF16)
+    p, s_ = FakeArray((n, f.payload_bytes(H)), np.uint8), FakeArray((n, f.scale_bytes(H)), np.uint8)
+    h, ro = FakeArray((16, 512), BF16), FakeArray((3,), np.int32)
+    silu_outs = tuple(FakeArray(s, d) for s, d in ops._silu_plan(ops.get_format("nvfp4"), h, False, 2, 0)[0])
+    ops.quantize.__wrapped__(x, "fp8", out=(p, s_))  # the plans
+    ops.fused_silu.__wrapped__(h, ro, "nvfp4", out=silu_outs)
+    log.clear()
+    ops.quantize.__wrapped__(x, "fp8", 0.5, out=(p, s_))
+    ops.fused_silu.__wrapped__(h, ro, "nvfp4", False, 2.0, out=silu_outs)
+    direct = list(log)
+
+    def scan(*a):
+        raise AssertionError("the torch argument scan ran")
+
+    monkeypatch.setattr(interop, "_wants_torch", scan)
+    log.clear()
+    assert ops.quantize(x, "fp8", 0.5, out=(p, s_)) == (p, s_)
+    assert ops.fused_silu(h, ro, "nvfp4", False, global_scale=2.0, out=silu_outs) == silu_outs
+    assert log == direct and len(direct) == 2
+    T = torch.Tensor
+    tx, tp, th, tro = T(x, torch.bfloat16), T(p, torch.uint8), T(h, torch.bfloat16), T(ro, torch.int32)
+    log.clear()
+    for args, kw in [((tx, "fp8"), {}), ((x, "fp8"), {"out": (tp, s_)}), ((x, "fp8"), {"out": [p, s_]}),
+                     ((x, "fp8", np.float32(1.0)), {}), ((x, T(x, torch.uint8)), {})]:
+        assert ops._quantize_plain(*args, **kw) is NotImplemented, (args, kw)
+    t_out = silu_outs[:2] + (T(ro, torch.int32),)
+    for args, kw in [((th, ro), {}), ((h, tro), {}), ((h, ro, "nvfp4"), {"out": t_out}), ((h, ro, "nvfp4", 1), {}),
+                     ((h, ro, "nvfp4", False, T(ro, torch.float32)), {})]:
+        assert ops._fused_silu_plain(*args, **kw) is NotImplemented, (args, kw)
+    assert log == []
