@@ -586,13 +586,14 @@ def test_floor_report_prints_every_table(capsys):
     phases = [{"op": "dispatch", "format": "fp8", "n_tokens": 128, "split": "phases",
                "segments": [seg("notify", 3.0, 2.5), seg("send", 6.0, 5.0), seg("recv", 9.0, 8.0)],
                "total_cold_us": 18.0, "total_warm_us": 15.5}]
-    doc = {"meta": {"notes": ["one rank"], "gpus": [{"name": "Fake GPU"}]},
+    doc = {"meta": {"notes": ["one rank"], "gpus": [{"name": "Fake GPU"}], "python_call_ns": [21.4, 36.6]},
            "config": {"hidden": 7168, "top_k": 8, "n_experts": 256},
            "results": [fake_floor_record(chain_us=(12.0, 4.0))],
            "host": host, "phases": phases, "errors": []}
     floor.print_report(doc)
     out = capsys.readouterr().out
     assert "note: one rank" in out and "cuep.dispatch_async" in out and "15.5" in out and "notify" in out
+    assert "an empty Python call 21 / 37 ns before / after" in out
     assert out.index("host cost") < out.index("per launch") < out.index("back to back") < out.index("Fake GPU")
     assert out.rstrip().splitlines()[-1].split()[:3] == ["dispatch", "fp8", "128"]
 
@@ -742,3 +743,10 @@ def test_host_python_runs_without_a_gpu(capsys):
         assert case in out
     rows = [line.split() for line in out.splitlines() if line.startswith(("bf16 ", "nvfp4 ", "ops."))]
     assert len(rows) == 8 and all(float(r[-1]) > 0 for r in rows)
+
+
+def test_python_call_ns_times_an_empty_call():
+    from cuep.bench import floor
+
+    ns = floor.python_call_ns(reps=2000, repeat=3)
+    assert type(ns) is float and 1.0 < ns < 10_000.0  # an empty call: tens of ns on any host

@@ -39,7 +39,9 @@ with the weights given at dispatch (timed after an untimed bf16 dispatch). For e
   Python's (it differs between hosts: 3.9 us on one H100 host, 6.5 on another). **x launch**: before every timed
   call the same bare launch is timed too, and each call's median is given over the bare launch's of its own
   batches, a ratio that holds across hosts and through a passing burst of host load (one such burst, after a
-  Buffer's memory is freed, doubles every call's time for about 0.1 s).
+  Buffer's memory is freed, doubles every call's time for about 0.1 s). ``python_call_ns`` (in ``meta``, printed
+  over the table): this interpreter's speed, an empty Python call's ns before and after the host figures (one
+  H200 host ran 21 ns in one process and 37 in the next, and every call's Python part with it).
 * **back to back**: ``CHAIN_CALLS`` calls of the op captured in one CUDA graph, the graph's replay timed (warm,
   behind the gate) and divided by the calls, beside as many floor copies captured and timed the same way: what a
   model that replays its decode step as a graph sees (a graph starts each kernel sooner after the one before
@@ -194,6 +196,14 @@ def host_stats(samples_us: Sequence[float]) -> dict:
     q = lambda p: s[min(len(s) - 1, max(0, int(math.ceil(p * len(s))) - 1))]  # noqa: E731  (nearest rank)
     return {"median_us": statistics.median(s), "p10_us": q(0.1), "p90_us": q(0.9), "mean_us": statistics.fmean(s),
             "min_us": s[0], "calls": len(s)}
+
+
+def python_call_ns(reps: int = 100_000, repeat: int = 5) -> float:
+    """This interpreter's speed now: ns per call of an empty Python function (best of ``repeat`` runs of
+    ``reps``), the unit a call's Python part scales with when a host runs faster or slower."""
+    import timeit
+
+    return min(timeit.repeat("f()", setup="f = lambda: None", number=reps, repeat=repeat)) / reps * 1e9
 
 
 def host_cost(step: Callable[[int, Callable], object], dev: int, *, calls: int, batches: int,
@@ -529,7 +539,9 @@ def print_report(doc: dict) -> None:
     for n in doc["meta"].get("notes", []):
         print(f"note: {n}")
     if doc.get("host"):
-        print("\nhost cost of one eager call, GPU held (us per call):")
+        ns = doc["meta"].get("python_call_ns")
+        speed = f"; an empty Python call {' / '.join(f'{v:.0f}' for v in ns)} ns before / after" if ns else ""
+        print(f"\nhost cost of one eager call, GPU held (us per call{speed}):")
         print(table(host_rows(doc["host"]), HOST_HEADER))
     if doc.get("phases"):
         print("\nper launch, a round split into consecutive launches (median us; sum = per-run sum):")
@@ -584,6 +596,7 @@ def run(plan) -> tuple[dict, int]:
     kw = dict(repeats=plan.repeats, warmup=plan.warmup, series=plan.series, flusher=flusher, gate=gate)
     hkw = dict(calls=plan.host_calls, batches=plan.host_batches)
     if plan.host:  # every call's host time beside a bare launch timed in the same moments (x launch)
+        doc["meta"]["python_call_ns"] = [python_call_ns()]
         with cupy.cuda.Device(dev):
             bare, sms = kernels.launch_floor(), kernels._sm_count(dev)
         hkw["launch_ref"] = lambda: bare(sms, 0)
@@ -721,6 +734,7 @@ def run(plan) -> tuple[dict, int]:
                 except Exception as e:  # noqa: BLE001
                     doc["errors"].append({"call": "cuep.ops", "n_tokens": n, "error": f"{type(e).__name__}: {e}"})
                     log(f"ops N={n}: {type(e).__name__}: {e}")
+            doc["meta"]["python_call_ns"].append(python_call_ns())
     finally:
         gate.close()
         timing.synchronize(devs)
