@@ -749,3 +749,20 @@ def test_fused_silu_validation():
         fused_silu(np.zeros((8, 2 * 64), np.float32), np.array([0, 8], np.uint32), "fp8")
     with pytest.raises(ValueError, match="fmt"):
         fused_silu(h, np.array([0, 8], np.uint32), "int8")
+
+
+def test_ep_check_random_values_are_fresh_finite_and_reproducible():
+    """tests/ep_check.random_values (a round's expert outputs and residuals): both dtypes, every value finite,
+    nonzero and normal, magnitudes in [1/8, 2), both signs, every bf16 value of that range (1024) or nearly all draws
+    distinct (float32), the same draws from the same seed."""
+    from ep_check import random_values
+
+    for dt in (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32)):
+        v = random_values(np.random.default_rng(7), 64, 256, dt)
+        f = v.astype(np.float32)
+        assert v.dtype == dt and v.shape == (64, 256)
+        assert np.isfinite(f).all() and (np.abs(f) >= 0.125).all() and (np.abs(f) < 2).all()
+        assert 0.4 < (f > 0).mean() < 0.6 and len(np.unique(f)) >= (1024 if dt.itemsize == 2 else 16000)
+        again = random_values(np.random.default_rng(7), 64, 256, dt)
+        assert np.array_equal(v.view(np.uint16 if dt.itemsize == 2 else np.uint32),
+                              again.view(np.uint16 if dt.itemsize == 2 else np.uint32))
