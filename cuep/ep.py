@@ -399,8 +399,7 @@ class _Host:
     __slots__ = ("names", "orders", "launches", "hidden", "top_k", "max_tokens", "capacity", "fmt", "cdt",
                  "combine_suffix", "where", "views", "one_rank", "small", "chunks", "combine_chunks",
                  "offsets_smem", "results", "plans", "combine_names", "combine_wide", "devices", "x_dtypes", "cdts",
-                 "ipc",
-                 "recv_name", "single", "status", "torch_results", "torch_views")
+                 "ipc", "recv_name", "single", "status", "torch_results", "torch_views")
 
     def __init__(self, buf: Buffer):
         cfg = buf.cfg
@@ -800,9 +799,10 @@ def _dispatch_async_torch(buf, x, topk_ids, topk_weights=None, *, global_scale=1
     return NotImplemented if d is None else d
 
 
-def _dispatch_wait_torch(pending):
-    """dispatch_wait's short path for a torch Dispatched of one local rank: its receive launch on torch's stream."""
-    if type(pending) is not Dispatched or not pending._torch:
+def _dispatch_wait_single(pending, torch: bool):
+    """dispatch_wait's short path for a Dispatched of one local rank made by a torch call (``torch``: the receive
+    launch on torch's stream) or a CuPy one (on CuPy's current stream); NotImplemented for anything else."""
+    if type(pending) is not Dispatched or bool(pending._torch) != torch:
         return NotImplemented
     buf = pending._buffer
     host = _single_host(buf)
@@ -813,9 +813,17 @@ def _dispatch_wait_torch(pending):
     launch = host.launches.get((0, host.recv_name, smem))
     if launch is None or _runtime.getDevice() != dev:
         return NotImplemented
-    launch.launch_call_on(torch_bindings().stream(dev), buf.num_sms, 0, 0, 0, pending.num_tokens, 1.0, PHASE_RECV, 0)
+    values = (0, 0, 0, pending.num_tokens, 1.0, PHASE_RECV, 0)
+    if torch:
+        launch.launch_call_on(torch_bindings().stream(dev), buf.num_sms, *values)
+    else:
+        launch.launch_call(buf.num_sms, *values)
     buf._rounds["pending"] = None
     return pending
+
+
+def _dispatch_wait_torch(pending):
+    return _dispatch_wait_single(pending, True)
 
 
 def _combine_single_torch(buf, expert_out, dispatched, topk_weights, residual, phases: int):
@@ -893,21 +901,7 @@ def _dispatch_async_plain(buf, x, topk_ids, topk_weights=None, *, global_scale=1
 
 
 def _dispatch_wait_plain(pending):
-    """dispatch_wait's short path for a CuPy Dispatched of one local rank (:func:`_dispatch_wait_torch`'s on
-    CuPy's current stream)."""
-    if type(pending) is not Dispatched or pending._torch:
-        return NotImplemented
-    buf = pending._buffer
-    host = _single_host(buf)
-    if host is None or host.ipc or _pending_in_order([pending]) is None:
-        return NotImplemented
-    threads, smem = _dispatch_launch(buf, False)
-    launch = host.launches.get((0, host.recv_name, smem))
-    if launch is None or _runtime.getDevice() != host.devices[0]:
-        return NotImplemented
-    launch.launch_call(buf.num_sms, 0, 0, 0, pending.num_tokens, 1.0, PHASE_RECV, 0)
-    buf._rounds["pending"] = None
-    return pending
+    return _dispatch_wait_single(pending, False)
 
 
 def _combine_plain_with(buf, expert_out, dispatched, topk_weights, residual, phases: int):

@@ -10,14 +10,14 @@
 
 namespace cuep {
 
-// One 8-value vector of an expert row: kWide, widened at the load (8 floats); else kept as loaded (bf16 16 bytes,
+// One 8-value vector of an expert row: kFloats, widened at the load (8 floats); else kept as loaded (bf16 16 bytes,
 // float32 32) and widened when summed, which 8 rows in flight need to fit the registers.
-template <typename TC, bool kWide>
+template <typename TC, bool kFloats>
 struct RowVector {
-    float f[kWide ? 8 : 1];
-    uint4 w[kWide ? 1 : sizeof(TC) == 2 ? 1 : 2];
+    float f[kFloats ? 8 : 1];
+    uint4 w[kFloats ? 1 : sizeof(TC) == 2 ? 1 : 2];
     __device__ __forceinline__ void load(const TC* p) {
-        if constexpr (kWide) {
+        if constexpr (kFloats) {
             load8f(p, f);
         } else {
             w[0] = reinterpret_cast<const uint4*>(p)[0];
@@ -25,7 +25,7 @@ struct RowVector {
         }
     }
     __device__ __forceinline__ void values(float (&v)[8]) const {
-        if constexpr (kWide) {
+        if constexpr (kFloats) {
 #pragma unroll
             for (int i = 0; i < 8; ++i) v[i] = f[i];
         } else if constexpr (sizeof(TC) == 2) {
