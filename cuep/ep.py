@@ -785,14 +785,14 @@ def _dispatch_single_torch(buf, x, topk_ids, topk_weights, global_scale, phases:
                                    xp, ip, wp, global_scale, topk_ids, w is not None)
 
 
-def _dispatch_torch(buf, x, topk_ids, topk_weights=None, *, global_scale=1.0, validate=False):
+def _dispatch_torch(buf, x, topk_ids, topk_weights, global_scale, validate):
     if validate:
         return NotImplemented
     d = _dispatch_single_torch(buf, x, topk_ids, topk_weights, global_scale, _PHASES_ALL)
     return NotImplemented if d is None else d
 
 
-def _dispatch_async_torch(buf, x, topk_ids, topk_weights=None, *, global_scale=1.0, validate=False):
+def _dispatch_async_torch(buf, x, topk_ids, topk_weights, global_scale, validate):
     if validate:
         return NotImplemented
     d = _dispatch_single_torch(buf, x, topk_ids, topk_weights, global_scale, PHASE_NOTIFY | PHASE_SEND)
@@ -871,60 +871,24 @@ def _combine_single_torch(buf, expert_out, dispatched, topk_weights, residual, p
     return hit[1]
 
 
-def _combine_torch(buf, expert_out, dispatched, topk_weights=None, *, residual=None):
+def _combine_torch(buf, expert_out, dispatched, topk_weights, residual):
     out = _combine_single_torch(buf, expert_out, dispatched, topk_weights, residual, _PHASES_ALL)
     return NotImplemented if out is None else out
 
 
-def _combine_async_torch(buf, expert_out, dispatched, topk_weights=None, *, residual=None):
+def _combine_async_torch(buf, expert_out, dispatched, topk_weights, residual):
     out = _combine_single_torch(buf, expert_out, dispatched, topk_weights, residual, PHASE_NOTIFY | PHASE_SEND)
     return NotImplemented if out is None else None
 
 
-def _combine_wait_torch(buf, expert_out, dispatched, topk_weights=None, *, residual=None):
+def _combine_wait_torch(buf, expert_out, dispatched, topk_weights, residual):
     out = _combine_single_torch(buf, expert_out, dispatched, topk_weights, residual, PHASE_RECV)
     return NotImplemented if out is None else out
 
 
-# The plain (CuPy) short paths, tried by torch_aware before its argument scan: a call whose arrays are all CuPy
-# arrays of one local rank, in the common case, launches without the scan; NotImplemented for anything else (any
-# torch tensor or torch call's Dispatched among the arguments fails their type tests), which then goes on as before.
-def _dispatch_plain(buf, x, topk_ids, topk_weights=None, *, global_scale=1.0, validate=False):
-    d = None if validate else _dispatch_single(buf, x, topk_ids, topk_weights, global_scale, _PHASES_ALL)
-    return NotImplemented if d is None else d
-
-
-def _dispatch_async_plain(buf, x, topk_ids, topk_weights=None, *, global_scale=1.0, validate=False):
-    d = None if validate else _dispatch_single(buf, x, topk_ids, topk_weights, global_scale,
-                                                PHASE_NOTIFY | PHASE_SEND)
-    return NotImplemented if d is None else d
-
-
-def _dispatch_wait_plain(pending):
-    return _dispatch_wait_single(pending, False)
-
-
-def _combine_plain_with(buf, expert_out, dispatched, topk_weights, residual, phases: int):
-    if type(dispatched) is Dispatched and dispatched._torch:  # a torch dispatch's round: torch results
-        return NotImplemented
-    out = _combine_single(buf, expert_out, dispatched, topk_weights, residual, phases)
-    return NotImplemented if out is None else out
-
-
-def _combine_plain(buf, expert_out, dispatched, topk_weights=None, *, residual=None):
-    return _combine_plain_with(buf, expert_out, dispatched, topk_weights, residual, _PHASES_ALL)
-
-
-def _combine_async_plain(buf, expert_out, dispatched, topk_weights=None, *, residual=None):
-    out = _combine_plain_with(buf, expert_out, dispatched, topk_weights, residual, PHASE_NOTIFY | PHASE_SEND)
-    return NotImplemented if out is NotImplemented else None
-
-
-def _combine_wait_plain(buf, expert_out, dispatched, topk_weights=None, *, residual=None):
-    return _combine_plain_with(buf, expert_out, dispatched, topk_weights, residual, PHASE_RECV)
-
-
-@torch_aware(fast=_dispatch_torch, plain=_dispatch_plain)
+# The public calls try their common case first (one local rank, CuPy arrays, a prepared launch: _dispatch_single,
+# _combine_single), a direct call with no argument scan; everything else (torch tensors, several local ranks, the
+# first call of a shape, errors and their messages) goes to their _general function, which torch_aware wraps.
 def dispatch(buf: Buffer, x, topk_ids, topk_weights=None, *, global_scale: float = 1.0, validate: bool = False):
     """Send every token to the ranks of its top-k experts and lay them out expert-major (one launch per rank).
 
@@ -946,15 +910,16 @@ def dispatch(buf: Buffer, x, topk_ids, topk_weights=None, *, global_scale: float
     awaits its wait half. ``x`` must start on a 16-byte boundary, ``topk_ids`` / ``topk_weights`` on a 4-byte one
     (any fresh CuPy or torch allocation does; ``ValueError`` otherwise).
     """
-    if not validate:
-        d = _dispatch_single(buf, x, topk_ids, topk_weights, global_scale, _PHASES_ALL)
-        if d is not None:
-            return d
-    res = _dispatch(buf, x, topk_ids, topk_weights, global_scale, PHASE_NOTIFY | PHASE_SEND | PHASE_RECV, validate)
+    d = None if validate else _dispatch_single(buf, x, topk_ids, topk_weights, global_scale, _PHASES_ALL)
+    return d if d is not None else _dispatch_general(buf, x, topk_ids, topk_weights, global_scale, validate)
+
+
+@torch_aware(fast=_dispatch_torch)
+def _dispatch_general(buf, x, topk_ids, topk_weights, global_scale, validate):
+    res = _dispatch(buf, x, topk_ids, topk_weights, global_scale, _PHASES_ALL, validate)
     return res if isinstance(x, (list, tuple)) else res[0]
 
 
-@torch_aware(fast=_dispatch_async_torch, plain=_dispatch_async_plain)
 def dispatch_async(buf: Buffer, x, topk_ids, topk_weights=None, *, global_scale: float = 1.0,
                    validate: bool = False):
     """The send half of :func:`dispatch`: returns at once; pass the result to :func:`dispatch_wait`.
@@ -963,15 +928,16 @@ def dispatch_async(buf: Buffer, x, topk_ids, topk_weights=None, *, global_scale:
     (no dispatch_async without its dispatch_wait, no combine_async without its combine_wait), and nothing but
     :func:`dispatch_wait` may run on ``buf`` until it has been called (``buf.reset()`` forgets the pending half).
     """
-    if not validate:
-        d = _dispatch_single(buf, x, topk_ids, topk_weights, global_scale, PHASE_NOTIFY | PHASE_SEND)
-        if d is not None:
-            return d
+    d = None if validate else _dispatch_single(buf, x, topk_ids, topk_weights, global_scale, PHASE_NOTIFY | PHASE_SEND)
+    return d if d is not None else _dispatch_async_general(buf, x, topk_ids, topk_weights, global_scale, validate)
+
+
+@torch_aware(fast=_dispatch_async_torch)
+def _dispatch_async_general(buf, x, topk_ids, topk_weights, global_scale, validate):
     res = _dispatch(buf, x, topk_ids, topk_weights, global_scale, PHASE_NOTIFY | PHASE_SEND, validate)
     return res if isinstance(x, (list, tuple)) else res[0]
 
 
-@torch_aware(fast=_dispatch_wait_torch, plain=_dispatch_wait_plain)
 def dispatch_wait(pending):
     """The receive half: waits (on the device, bounded) for every source and builds the outputs.
 
@@ -979,6 +945,12 @@ def dispatch_wait(pending):
     is pending, e.g. a second dispatch_wait or the results of a synchronous dispatch; ``ValueError`` for an earlier
     dispatch's results). Returns ``pending``, now valid for :func:`combine`.
     """
+    out = _dispatch_wait_single(pending, False)
+    return out if out is not NotImplemented else _dispatch_wait_general(pending)
+
+
+@torch_aware(fast=_dispatch_wait_torch)
+def _dispatch_wait_general(pending):
     items = list(pending) if isinstance(pending, (list, tuple)) else [pending]
     ordered = _pending_in_order(items)
     if ordered is None:
@@ -1148,7 +1120,7 @@ def _combine_single(buf, expert_out, dispatched, topk_weights, residual, phases:
     if host is None:
         return None
     rounds, d, eo, w, rs = buf._rounds, dispatched, expert_out, topk_weights, residual
-    if type(d) is not Dispatched or d._buffer is not buf \
+    if type(d) is not Dispatched or d._buffer is not buf or d._torch \
             or d._seq != rounds["dispatches"] or type(eo) is not _ND or eo.ndim != 2:
         return None
     rows, N, dev, cdts = len(eo), d.num_tokens, host.devices[0], host.cdts
@@ -1293,7 +1265,6 @@ def _combine(buf: Buffer, expert_out, dispatched, topk_weights, residual, phases
     return outs
 
 
-@torch_aware(fast=_combine_torch, plain=_combine_plain)
 def combine(buf: Buffer, expert_out, dispatched, topk_weights=None, *, residual=None):
     """Send expert outputs back to their tokens' ranks and sum them (one launch per rank).
 
@@ -1315,13 +1286,15 @@ def combine(buf: Buffer, expert_out, dispatched, topk_weights=None, *, residual=
     call; a replay skips them, and a combine reading another dispatch's rows may fault.
     """
     out = _combine_single(buf, expert_out, dispatched, topk_weights, residual, _PHASES_ALL)
-    if out is not None:
-        return out
-    outs = _combine(buf, expert_out, dispatched, topk_weights, residual, PHASE_NOTIFY | PHASE_SEND | PHASE_RECV)
+    return out if out is not None else _combine_general(buf, expert_out, dispatched, topk_weights, residual)
+
+
+@torch_aware(fast=_combine_torch)
+def _combine_general(buf, expert_out, dispatched, topk_weights, residual):
+    outs = _combine(buf, expert_out, dispatched, topk_weights, residual, _PHASES_ALL)
     return outs if isinstance(dispatched, (list, tuple)) else outs[0]
 
 
-@torch_aware(fast=_combine_async_torch, plain=_combine_async_plain)
 def combine_async(buf: Buffer, expert_out, dispatched, topk_weights=None, *, residual=None):
     """The send half of :func:`combine`; :func:`combine_wait` with the same arguments finishes it.
 
@@ -1329,10 +1302,14 @@ def combine_async(buf: Buffer, expert_out, dispatched, topk_weights=None, *, res
     dispatch (``ValueError``); until :func:`combine_wait`, nothing else may run on ``buf``.
     """
     if _combine_single(buf, expert_out, dispatched, topk_weights, residual, PHASE_NOTIFY | PHASE_SEND) is None:
-        _combine(buf, expert_out, dispatched, topk_weights, residual, PHASE_NOTIFY | PHASE_SEND)
+        _combine_async_general(buf, expert_out, dispatched, topk_weights, residual)
 
 
-@torch_aware(fast=_combine_wait_torch, plain=_combine_wait_plain)
+@torch_aware(fast=_combine_async_torch)
+def _combine_async_general(buf, expert_out, dispatched, topk_weights, residual):
+    _combine(buf, expert_out, dispatched, topk_weights, residual, PHASE_NOTIFY | PHASE_SEND)
+
+
 def combine_wait(buf: Buffer, expert_out, dispatched, topk_weights=None, *, residual=None):
     """The receive half of :func:`combine`: waits for every rank and returns the summed outputs.
 
@@ -1340,7 +1317,10 @@ def combine_wait(buf: Buffer, expert_out, dispatched, topk_weights=None, *, resi
     twice) and the same ``dispatched``, ``expert_out`` arrays and ``topk_weights`` (given or not) (``ValueError``).
     """
     out = _combine_single(buf, expert_out, dispatched, topk_weights, residual, PHASE_RECV)
-    if out is not None:
-        return out
+    return out if out is not None else _combine_wait_general(buf, expert_out, dispatched, topk_weights, residual)
+
+
+@torch_aware(fast=_combine_wait_torch)
+def _combine_wait_general(buf, expert_out, dispatched, topk_weights, residual):
     outs = _combine(buf, expert_out, dispatched, topk_weights, residual, PHASE_RECV)
     return outs if isinstance(dispatched, (list, tuple)) else outs[0]

@@ -1,7 +1,8 @@
 """PyTorch interop without a torch dependency: torch CUDA tensors in, torch tensors out, on torch's stream.
 
 cuep's public calls (:func:`cuep.dispatch`, :func:`cuep.combine` and their async/wait halves, :mod:`cuep.ops`,
-:func:`cuep.moe.moe_forward` and :func:`cuep.moe.route`) carry :func:`torch_aware`. A call none of whose arguments
+:func:`cuep.moe.moe_forward` and :func:`cuep.moe.route`) take torch tensors through :func:`torch_aware` (the EP
+calls, ``ops.quantize`` and ``ops.fused_silu`` once their common CuPy call is ruled out). A call none of whose arguments
 is a torch tensor (nor a :class:`cuep.Dispatched` made by a torch call) goes straight through; torch is never
 imported here (a tensor can only exist once its user has imported torch, so ``sys.modules`` is asked first). A call
 with torch tensors runs in *torch mode*:
@@ -456,28 +457,22 @@ def _call_torch(fn, names: tuple, args, kwargs):
         raise
 
 
-def torch_aware(fn=None, *, fast=None, plain=None):
+def torch_aware(fn=None, *, fast=None):
     """Let ``fn`` take torch CUDA tensors (and return torch tensors, running on torch's current stream); a call
     without torch arguments goes straight to ``fn``. See the module docstring.
 
     ``fast``: a torch call's short path, tried first with the call's own arguments: its result, or
-    ``NotImplemented`` to leave the call to torch mode (which then raises any error with its message).
-    ``plain``: the common call's short path (CuPy arrays only), tried before anything else, torch imported or not
-    (the argument scan costs 0.5-1 us a call with torch imported): its result, or ``NotImplemented`` to go on as
-    without it; it must take no call that has a torch argument. Used as ``@torch_aware`` or
-    ``@torch_aware(fast=..., plain=...)``.
+    ``NotImplemented`` to leave the call to torch mode (which then raises any error with its message). Used as
+    ``@torch_aware`` or ``@torch_aware(fast=...)``. (cuep's EP calls and ops.quantize / ops.fused_silu try their
+    common CuPy call before they reach the wrapper: the scan costs 0.5-1 us a call with torch imported.)
     """
     if fn is None:
-        return functools.partial(torch_aware, fast=fast, plain=plain)
+        return functools.partial(torch_aware, fast=fast)
     names = tuple(p.name for p in inspect.signature(fn).parameters.values()
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        if plain is not None:
-            out = plain(*args, **kwargs)
-            if out is not NotImplemented:
-                return out
         if not _wants_torch(args, kwargs):
             return fn(*args, **kwargs)
         if fast is not None:

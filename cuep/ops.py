@@ -331,27 +331,12 @@ def _fused_silu_torch(h, row_offsets, out_fmt="bf16", interleaved=False, global_
     return outs[0] if f.name == "bf16" else tuple(outs)
 
 
-# The plain paths, tried by torch_aware before its argument scan: a call whose arrays are all CuPy arrays (and whose
-# other arguments are of the plain types below, none of which can hold a tensor) goes straight to the op, as the
-# scan would have sent it; anything else returns NotImplemented and goes on as before.
+# The public ops try the common call first: CuPy arrays and arguments of plain types (none of which can hold a
+# tensor) go straight to the op's body, with no scan for torch tensors; anything else goes through torch_aware.
 def _plain_out(out) -> bool:
     return out is None or type(out) is _ND or (type(out) is tuple and all(type(o) is _ND for o in out))
 
 
-def _quantize_plain(x, fmt, global_scale=1.0, out=None):
-    if type(x) is not _ND or type(fmt) is not str or type(global_scale) not in (float, int) or not _plain_out(out):
-        return NotImplemented
-    return quantize.__wrapped__(x, fmt, global_scale, out)
-
-
-def _fused_silu_plain(h, row_offsets, out_fmt="bf16", interleaved=False, global_scale=1.0, out=None):
-    if type(h) is not _ND or type(row_offsets) is not _ND or type(out_fmt) is not str \
-            or type(interleaved) is not bool or type(global_scale) not in (float, int) or not _plain_out(out):
-        return NotImplemented
-    return fused_silu.__wrapped__(h, row_offsets, out_fmt, interleaved, global_scale, out)
-
-
-@torch_aware(fast=_quantize_torch, plain=_quantize_plain)
 def quantize(x: cupy.ndarray, fmt: str, global_scale: float = 1.0, out=None) -> tuple[cupy.ndarray, cupy.ndarray]:
     """Encode token rows in a wire format on the GPU, bit for bit as :func:`cuep.reference.quantize`.
 
@@ -368,6 +353,12 @@ def quantize(x: cupy.ndarray, fmt: str, global_scale: float = 1.0, out=None) -> 
     Raises:
         TypeError, ValueError: naming ``fmt``, ``x``, ``global_scale`` or ``out``.
     """
+    if type(x) is _ND and type(fmt) is str and type(global_scale) in (float, int) and _plain_out(out):
+        return _quantize(x, fmt, global_scale, out)
+    return _quantize_general(x, fmt, global_scale, out)
+
+
+def _quantize(x, fmt, global_scale=1.0, out=None):
     # (the usual arguments pass with the fewest calls: each Python call is a tenth of a microsecond of the host cost)
     f = FORMATS.get(fmt) if type(fmt) is str else None
     if f is None:
@@ -405,6 +396,9 @@ def quantize(x: cupy.ndarray, fmt: str, global_scale: float = 1.0, out=None) -> 
     fn(min(ceil_div(n * steps, _QUANTIZE_THREADS // _WARP), max_grid), x.data.ptr, payload.data.ptr,
        scales.data.ptr, n, h, g)
     return payload, scales
+
+
+_quantize_general = torch_aware(fast=_quantize_torch)(_quantize)
 
 
 @torch_aware
@@ -495,7 +489,6 @@ def swizzle_block_scales(scales: cupy.ndarray, row_offsets: cupy.ndarray, fmt: s
 
 
 # ---- fused SwiGLU ---------------------------------------------------------------------------------------------
-@torch_aware(fast=_fused_silu_torch, plain=_fused_silu_plain)
 def fused_silu(h: cupy.ndarray, row_offsets: cupy.ndarray, out_fmt: str = "bf16", interleaved: bool = False,
                global_scale: float = 1.0, out=None):
     """``silu(gate) * up`` of the rows below ``row_offsets[-1]``, as bf16 or quantized for the down GEMM.
@@ -527,6 +520,13 @@ def fused_silu(h: cupy.ndarray, row_offsets: cupy.ndarray, out_fmt: str = "bf16"
     Raises:
         TypeError, ValueError: naming the argument.
     """
+    if type(h) is _ND and type(row_offsets) is _ND and type(out_fmt) is str and type(interleaved) is bool \
+            and type(global_scale) in (float, int) and _plain_out(out):
+        return _fused_silu(h, row_offsets, out_fmt, interleaved, global_scale, out)
+    return _fused_silu_general(h, row_offsets, out_fmt, interleaved, global_scale, out)
+
+
+def _fused_silu(h, row_offsets, out_fmt="bf16", interleaved=False, global_scale=1.0, out=None):
     # (the usual arguments pass with the fewest calls: each Python call is a tenth of a microsecond of the host cost)
     f = FORMATS.get(out_fmt) if type(out_fmt) is str else None
     if f is None:
@@ -559,6 +559,9 @@ def fused_silu(h: cupy.ndarray, row_offsets: cupy.ndarray, out_fmt: str = "bf16"
     fn(grid, h.data.ptr, ro.data.ptr, n_groups, cap, width // 2, outs[0].data.ptr, scales.data.ptr,
        scales_offsets.data.ptr, max_tiles, g)
     return result
+
+
+_fused_silu_general = torch_aware(fast=_fused_silu_torch)(_fused_silu)
 
 
 def _silu_plan(f: Format, h, interleaved: bool, n_groups: int, dev: int) -> tuple:

@@ -351,7 +351,7 @@ def test_torch_dispatch_launches_what_the_cupy_path_does(launches, torch, fmt, s
         STREAMS.clear()
         if phases != ep._PHASES_ALL:  # the wait half: the receive launch, on torch's stream
             (w_cupy, w_torch), (l_cupy, l_torch), (s_cupy, s_torch) = both_paths(
-                buf, lambda: ep.dispatch_wait.__wrapped__(d_cupy), lambda: ep._dispatch_wait_torch(d_torch),
+                buf, lambda: ep._dispatch_wait_general.__wrapped__(d_cupy), lambda: ep._dispatch_wait_torch(d_torch),
                 launches)
             assert w_torch is d_torch and len(l_torch) == 1 and l_cupy == l_torch and s_cupy == s_torch
             assert STREAMS == [0x5000]
@@ -370,7 +370,7 @@ def test_torch_combine_launches_what_the_cupy_path_does(launches, torch, weights
     phases = ep._PHASES_ALL if local else ep.PHASE_NOTIFY | ep.PHASE_SEND  # a one-rank round, or the protocol's
     d = ep._dispatch(buf, x, ids, w, 1.0, phases)[0]
     if not local:
-        ep.dispatch_wait.__wrapped__(d)
+        ep._dispatch_wait_general.__wrapped__(d)
     d._topk_ids = tids  # as the torch dispatch leaves it (the CuPy one's address: the same launch)
     ep._combine(buf, eo, d, cw, res, ep._PHASES_ALL)  # prepares the launches and the output view
     ep._combine(buf, eo, d, cw, res, ep.PHASE_NOTIFY | ep.PHASE_SEND)
@@ -416,7 +416,7 @@ def test_torch_short_path_leaves_every_other_case_to_torch_mode(launches, torch)
     ]
     for args in bad_dispatch:
         assert ep._dispatch_single_torch(buf, *args, all_) is None
-    assert ep._dispatch_torch(buf, tx, tids, tw, validate=True) is NotImplemented
+    assert ep._dispatch_torch(buf, tx, tids, tw, 1.0, True) is NotImplemented
     for args in [(T(eo, torch.float32), d, None, None), (teo, d, T(w, torch.float32, device=1), None),
                  (eo, d, None, None), (teo, [d], None, None)]:
         assert ep._combine_single_torch(buf, *args, all_) is None
@@ -471,7 +471,7 @@ def test_torch_quantize_launches_what_the_cupy_path_does(ops_launches, torch, fm
     (tx,) = as_tensors(torch, x)
     assert ops._quantize_torch(tx, fmt, 0.5) is NotImplemented  # no plan yet: torch mode makes it
     p, s_ = FakeArray((n, f.payload_bytes(H)), np.uint8), FakeArray((n, f.scale_bytes(H)), np.uint8)
-    ops.quantize.__wrapped__(x, fmt, 0.5, out=(p, s_))  # makes the plan
+    ops._quantize(x, fmt, 0.5, out=(p, s_))  # makes the plan
     if given:
         out = (torch.Tensor(p, torch.uint8), torch.Tensor(s_, torch.uint8))
         got = ops._quantize_torch(tx, fmt, 0.5, out=out)
@@ -481,7 +481,7 @@ def test_torch_quantize_launches_what_the_cupy_path_does(ops_launches, torch, fm
         p, s_ = torch.made  # the CuPy path below writes to the same addresses
         assert [t.ptr for t in got] == [p.data.ptr, s_.data.ptr]
         assert got[0].shape == p.shape and got[1].shape == s_.shape and got[0].dtype is torch.uint8
-    ops.quantize.__wrapped__(x, fmt, 0.5, out=(p, s_))
+    ops._quantize(x, fmt, 0.5, out=(p, s_))
     assert len(log) == 3 and log[1][:5] == log[2][:5] and log[1][5] == 0x5000 and log[2][5] is None
 
 
@@ -498,7 +498,7 @@ def test_torch_fused_silu_launches_what_the_cupy_path_does(ops_launches, torch, 
     # a first CuPy call makes the plan; its outputs are stand-ins of the plan's shapes and dtypes
     shapes = ops._silu_plan(ops.get_format(fmt), h, interleaved, groups, 0)[0]
     outs = [FakeArray(s, d) for s, d in shapes]
-    ops.fused_silu.__wrapped__(h, ro, fmt, interleaved, 0.5, out=outs[0] if fmt == "bf16" else tuple(outs))
+    ops._fused_silu(h, ro, fmt, interleaved, 0.5, out=outs[0] if fmt == "bf16" else tuple(outs))
     kinds = {BF16: torch.bfloat16, np.dtype(np.uint8): torch.uint8, np.dtype(np.float32): torch.float32}
     if given:
         tout = [torch.Tensor(a, kinds[a.dtype]) for a in outs]
@@ -511,7 +511,7 @@ def test_torch_fused_silu_launches_what_the_cupy_path_does(ops_launches, torch, 
         assert [t.ptr for t in got] == [a.data.ptr for a in outs] and [t.shape for t in got] == [s for s, _ in shapes]
         for a, (s_, d) in zip(outs, shapes):  # the CuPy call below: stand-ins of the plan's dtypes, same addresses
             a.dtype = np.dtype(d)
-    ops.fused_silu.__wrapped__(h, ro, fmt, interleaved, 0.5, out=outs[0] if fmt == "bf16" else tuple(outs))
+    ops._fused_silu(h, ro, fmt, interleaved, 0.5, out=outs[0] if fmt == "bf16" else tuple(outs))
     assert len(log) == 3 and log[1][:5] == log[2][:5] and log[1][5] == 0x5000 and log[2][5] is None
 
 
@@ -522,8 +522,8 @@ def test_torch_ops_leave_every_other_case_to_torch_mode(ops_launches, torch):
     f, n = FORMATS["fp8"], 8
     x = FakeArray((n, H), BF16)
     p, s_ = FakeArray((n, f.payload_bytes(H)), np.uint8), FakeArray((n, f.scale_bytes(H)), np.uint8)
-    ops.quantize.__wrapped__(x, "fp8", out=(p, s_))
-    ops.quantize.__wrapped__(FakeArray((0, H), BF16), "bf16",  # the bf16 plan (a copy: no launch)
+    ops._quantize(x, "fp8", out=(p, s_))
+    ops._quantize(FakeArray((0, H), BF16), "bf16",  # the bf16 plan (a copy: no launch)
                              out=(FakeArray((0, 2 * H), np.uint8), FakeArray((0, 0), np.uint8)))
     T = torch.Tensor
     tx, tp, ts = T(x, torch.bfloat16), T(p, torch.uint8), T(s_, torch.uint8)
@@ -541,7 +541,7 @@ def test_torch_ops_leave_every_other_case_to_torch_mode(ops_launches, torch):
     assert log == []
     assert ops._quantize_torch(tx, "fp8", out=(tp, ts)) == (tp, ts) and len(log) == 1
     h, ro = FakeArray((16, 512), BF16), FakeArray((3,), np.int32)
-    ops.fused_silu.__wrapped__(h, ro, "nvfp4", out=tuple(FakeArray(s, d) for s, d in
+    ops._fused_silu(h, ro, "nvfp4", out=tuple(FakeArray(s, d) for s, d in
                                                          ops._silu_plan(ops.get_format("nvfp4"), h, False, 2, 0)[0]))
     log.clear()
     th = T(h, torch.bfloat16)
@@ -665,10 +665,10 @@ def test_one_rank_combine_launches_the_wide_kernel_for_whole_tokens(launches):
 
 
 def test_public_calls_take_the_plain_path_before_the_torch_scan(launches, torch, monkeypatch):
-    """With torch imported, a call of CuPy arrays in the common case launches through its plain short path
-    (ep._*_plain, tried by interop.torch_aware first) without the argument scan, the same launch and round state as
-    the short path itself; and the plain paths take nothing with a torch argument (torch mode gives torch
-    results)."""
+    """With torch imported, a call of CuPy arrays in the common case launches through its short path
+    (ep._dispatch_single, _combine_single, _dispatch_wait_single, tried by the public call first) without the
+    argument scan, the same launch and round state as the short path itself; and the short paths take nothing with
+    a torch argument: those calls go to the torch_aware general function (torch mode gives torch results)."""
     from cuep import interop
 
     buf = make_buffer("bf16")
@@ -677,7 +677,7 @@ def test_public_calls_take_the_plain_path_before_the_torch_scan(launches, torch,
     for phases in (ep._PHASES_ALL, ep.PHASE_NOTIFY | ep.PHASE_SEND):  # prepare every launch
         d = ep._dispatch(buf, x, ids, w, 1.0, phases)[0]
         if phases != ep._PHASES_ALL:
-            ep.dispatch_wait.__wrapped__(d)
+            ep._dispatch_wait_general.__wrapped__(d)
         for ph in (ep._PHASES_ALL, ep.PHASE_NOTIFY | ep.PHASE_SEND, ep.PHASE_RECV):
             ep._combine(buf, eo, d, None, None, ph)
 
@@ -701,7 +701,7 @@ def test_public_calls_take_the_plain_path_before_the_torch_scan(launches, torch,
         launches.clear()
         if async_:
             d2 = ep._dispatch_single(buf, x, ids, w, 1.0, ep.PHASE_NOTIFY | ep.PHASE_SEND)
-            assert ep._dispatch_wait_plain(d2) is d2
+            assert ep._dispatch_wait_single(d2, False) is d2
         else:
             d2 = ep._dispatch_single(buf, x, ids, w, 1.0, ep._PHASES_ALL)
         for ph in (ep._PHASES_ALL, ep.PHASE_NOTIFY | ep.PHASE_SEND, ep.PHASE_RECV):
@@ -709,30 +709,38 @@ def test_public_calls_take_the_plain_path_before_the_torch_scan(launches, torch,
         assert public == launches and after == dict(buf._rounds) and len(public) == (5 if async_ else 3)
 
     tx, tids, tw, teo = as_tensors(torch, x, ids, w, eo)
-    monkeypatch.setattr(interop, "_wants_torch", lambda *a: True)  # (nothing below reaches it)
+    general = []  # the calls handed on: (name, arguments)
+    for name in ("_dispatch_general", "_dispatch_async_general", "_dispatch_wait_general", "_combine_general",
+                 "_combine_async_general", "_combine_wait_general"):
+        monkeypatch.setattr(ep, name, lambda *a, name=name: general.append((name, a)) or name)
     launches.clear()
     before = dict(buf._rounds)
     for args in [(tx, tids, tw), (x, tids, w), (x, ids, tw), ([x], [ids], [w])]:
-        assert ep._dispatch_plain(buf, *args) is NotImplemented
-        assert ep._dispatch_async_plain(buf, *args) is NotImplemented
-    assert ep._dispatch_plain(buf, x, ids, w, validate=True) is NotImplemented
+        assert ep.dispatch(buf, *args) == "_dispatch_general"
+        assert ep.dispatch_async(buf, *args) == "_dispatch_async_general"
+    assert ep.dispatch(buf, x, ids, w, validate=True) == "_dispatch_general"
+    assert general[-1] == ("_dispatch_general", (buf, x, ids, w, 1.0, True)) and len(general) == 9
     assert launches == [] and buf._rounds == before
     d = ep._dispatch_single(buf, x, ids, w, 1.0, ep._PHASES_ALL)
     launches.clear()
     before = dict(buf._rounds)
-    for fn in (ep._combine_plain, ep._combine_async_plain):
-        assert fn(buf, teo, d) is NotImplemented
-        assert fn(buf, eo, d, tw) is NotImplemented
+    general.clear()
+    for fn in (ep.combine, ep.combine_async):
+        fn(buf, teo, d)
+        fn(buf, eo, d, tw)
     d._torch = True  # a torch dispatch's Dispatched: its combine returns torch tensors
-    assert ep._combine_plain(buf, eo, d) is NotImplemented
-    assert ep._dispatch_wait_plain(d) is NotImplemented
+    assert ep.combine(buf, eo, d) == "_combine_general" and ep.combine_wait(buf, eo, d) == "_combine_wait_general"
+    assert ep.dispatch_wait(d) == "_dispatch_wait_general"
+    assert [g[0] for g in general] == ["_combine_general"] * 2 + ["_combine_async_general"] * 2 + [
+        "_combine_general", "_combine_wait_general", "_dispatch_wait_general"]
+    assert general[1][1] == (buf, eo, d, tw, None)
     assert launches == [] and buf._rounds == before
 
 
 def test_ops_plain_paths_call_the_op_without_the_torch_scan(ops_launches, torch, monkeypatch):
     """ops.quantize / ops.fused_silu with torch imported: a call of CuPy arrays and plain arguments goes straight to
-    the op (the same launch as the op itself, no argument scan); any torch tensor, or an argument of another type
-    (which could hold one), is left to the scan (NotImplemented)."""
+    the op's body (the same launch as the body itself, no argument scan); any torch tensor, or an argument of
+    another type (which could hold one), goes to the torch_aware general function, which scans."""
     from cuep import interop
     from cuep.formats import FORMATS
 
@@ -742,11 +750,11 @@ def test_ops_plain_paths_call_the_op_without_the_torch_scan(ops_launches, torch,
     p, s_ = FakeArray((n, f.payload_bytes(H)), np.uint8), FakeArray((n, f.scale_bytes(H)), np.uint8)
     h, ro = FakeArray((16, 512), BF16), FakeArray((3,), np.int32)
     silu_outs = tuple(FakeArray(s, d) for s, d in ops._silu_plan(ops.get_format("nvfp4"), h, False, 2, 0)[0])
-    ops.quantize.__wrapped__(x, "fp8", out=(p, s_))  # the plans
-    ops.fused_silu.__wrapped__(h, ro, "nvfp4", out=silu_outs)
+    ops._quantize(x, "fp8", out=(p, s_))  # the plans
+    ops._fused_silu(h, ro, "nvfp4", out=silu_outs)
     log.clear()
-    ops.quantize.__wrapped__(x, "fp8", 0.5, out=(p, s_))
-    ops.fused_silu.__wrapped__(h, ro, "nvfp4", False, 2.0, out=silu_outs)
+    ops._quantize(x, "fp8", 0.5, out=(p, s_))
+    ops._fused_silu(h, ro, "nvfp4", False, 2.0, out=silu_outs)
     direct = list(log)
 
     def scan(*a):
@@ -760,11 +768,15 @@ def test_ops_plain_paths_call_the_op_without_the_torch_scan(ops_launches, torch,
     T = torch.Tensor
     tx, tp, th, tro = T(x, torch.bfloat16), T(p, torch.uint8), T(h, torch.bfloat16), T(ro, torch.int32)
     log.clear()
+    monkeypatch.setattr(ops, "_quantize_general", lambda *a: ("general", a))
+    monkeypatch.setattr(ops, "_fused_silu_general", lambda *a: ("general", a))
     for args, kw in [((tx, "fp8"), {}), ((x, "fp8"), {"out": (tp, s_)}), ((x, "fp8"), {"out": [p, s_]}),
                      ((x, "fp8", np.float32(1.0)), {}), ((x, T(x, torch.uint8)), {})]:
-        assert ops._quantize_plain(*args, **kw) is NotImplemented, (args, kw)
+        got = ops.quantize(*args, **kw)
+        assert got[0] == "general" and got[1][:len(args)] == args and len(got[1]) == 4, (args, kw)
     t_out = silu_outs[:2] + (T(ro, torch.int32),)
     for args, kw in [((th, ro), {}), ((h, tro), {}), ((h, ro, "nvfp4"), {"out": t_out}), ((h, ro, "nvfp4", 1), {}),
                      ((h, ro, "nvfp4", False, T(ro, torch.float32)), {})]:
-        assert ops._fused_silu_plain(*args, **kw) is NotImplemented, (args, kw)
+        got = ops.fused_silu(*args, **kw)
+        assert got[0] == "general" and got[1][:len(args)] == args and len(got[1]) == 6, (args, kw)
     assert log == []

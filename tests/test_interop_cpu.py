@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import cuep
-from cuep import interop
+from cuep import ep, interop, ops
 
 ROOT = Path(__file__).resolve().parents[1]
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -128,11 +128,17 @@ def test_calls_without_tensors_go_straight_through_and_never_import_torch():
     assert not got["torch"], "a call without torch tensors imported torch"
 
 
-def test_decorated_functions_keep_their_names_and_docs():
-    for fn in (cuep.dispatch, cuep.dispatch_async, cuep.dispatch_wait, cuep.combine, cuep.combine_async,
-               cuep.combine_wait, cuep.ops.quantize, cuep.ops.dequantize, cuep.ops.swizzle_block_scales,
-               cuep.ops.fused_silu, cuep.moe.moe_forward, cuep.moe.route):
+def test_public_calls_keep_their_names_and_docs():
+    for fn in (cuep.ops.dequantize, cuep.ops.swizzle_block_scales, cuep.moe.moe_forward, cuep.moe.route):
         assert fn.__wrapped__.__name__ == fn.__name__ and fn.__doc__ == fn.__wrapped__.__doc__
+    # these try their common CuPy call themselves, then hand the rest to a torch_aware function
+    for fn, general in ((cuep.dispatch, ep._dispatch_general), (cuep.dispatch_async, ep._dispatch_async_general),
+                        (cuep.dispatch_wait, ep._dispatch_wait_general), (cuep.combine, ep._combine_general),
+                        (cuep.combine_async, ep._combine_async_general),
+                        (cuep.combine_wait, ep._combine_wait_general), (cuep.ops.quantize, ops._quantize_general),
+                        (cuep.ops.fused_silu, ops._fused_silu_general)):
+        assert fn.__doc__.strip() and not hasattr(fn, "__wrapped__") and general.__module__ == fn.__module__
+        assert callable(general.__wrapped__)  # torch_aware's wrapper of the general body
 
 
 # ---- with a torch module ----------------------------------------------------------------------------------------
@@ -265,27 +271,3 @@ def test_moe_weights_hold_torch_tensors_as_cupy_views(torch):
                             torch.Tensor((H, E), torch.float32))
     assert all(isinstance(a, cupy.ndarray) for a in (w.w_gate_up, w.w_down, w.router))
     assert w.w_gate_up.dtype == BF16 and w.router.dtype == np.float32 and w.n_held == G and w.intermediate == I
-
-
-def test_plain_short_path_goes_first_and_hands_on_what_it_leaves(torch, monkeypatch):
-    """torch_aware(plain=...): the plain path's result is the call's, before any scan of the arguments; where it
-    answers NotImplemented the call goes on as without it (straight to the function, or torch mode)."""
-    calls = []
-
-    def plain(x, k=1):
-        calls.append("plain")
-        return NotImplemented if x == "leave" else ("plain", x, k)
-
-    @interop.torch_aware(plain=plain)
-    def op(x, k=1):
-        """op's doc"""
-        calls.append("op")
-        return ("op", x, k)
-
-    assert op.__name__ == "op" and op.__doc__ == "op's doc" and op.__wrapped__.__name__ == "op"
-    scans = []
-    real = interop._wants_torch
-    monkeypatch.setattr(interop, "_wants_torch", lambda a, kw: scans.append(a) or real(a, kw))
-    assert op("x", k=2) == ("plain", "x", 2) and calls == ["plain"] and scans == []
-    calls.clear()
-    assert op("leave", 3) == ("op", "leave", 3) and calls == ["plain", "op"] and scans == [("leave", 3)]

@@ -351,7 +351,7 @@ def test_torch_ops_short_path_matches_reference(fmt, rng, monkeypatch):
     else:  # the swizzled scales' shape and dtype and their group offsets, as torch mode gives them (the bytes
         # past the used tiles are left as they were, so the scales themselves: tests/test_ops_gpu.py)
         monkeypatch.undo()
-        again = interop._call_torch(cuep.ops.fused_silu.__wrapped__, ("h", "row_offsets", "out_fmt"),
+        again = interop._call_torch(cuep.ops._fused_silu, ("h", "row_offsets", "out_fmt"),
                                     (th, tro, fmt), {})
         for a, b in zip(got, again):
             assert a.dtype == b.dtype and a.shape == b.shape
