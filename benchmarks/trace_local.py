@@ -4,6 +4,7 @@
     PYTHONPATH=. python3 benchmarks/trace_local.py                        # bf16 nvfp4, N = 1 32 128
     PYTHONPATH=. python3 benchmarks/trace_local.py --formats fp8 --tokens 16 --out out/trace
     PYTHONPATH=. python3 benchmarks/trace_local.py --formats nvfp4 --tokens 4096   # a larger round
+    PYTHONPATH=. python3 benchmarks/trace_local.py --formats fp8 --tokens 1 32 --items   # + padding / item warps
     python3 benchmarks/trace_local.py --dry-run                           # build and list the points (no GPU)
 
 A one-rank round is one launch, so ``python -m cuep.bench --floor --phases`` cannot split it. This script copies
@@ -13,6 +14,9 @@ the ``cuep`` package to a work directory and adds trace points to the copy's one
 source differs), H = 7168, K = 8, E = 256, one real rank, max_tokens_per_rank = max(``--tokens``), so
 small_batch_tokens is min(that, 256): N up to it takes the small round (POINTS: the book, the scan, the items),
 a larger N the larger round (LARGE_POINTS: the count, its grid barrier, the items, the deferred scale gather).
+``--items`` adds warp points to the small round (ITEM_POINTS: lane 0 of every warp passing one keeps the latest
+time, so each is the block's last warp there): the padding's start and end, each item's start, encode, payload
+and scale stores and end (an atomic each, so these perturb the round a little more).
 Per format and N, after untimed warm-up rounds, ``--reps`` dispatches each after a combine (as in a model), every
 point's time after its block's entry, the median over blocks (and the slowest block), median over the reps. A
 point is thread 0's view, except where it follows a barrier (then it is the block's). The points themselves cost a
@@ -39,12 +43,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TRACED_FILE = "cuda_src/dispatch/local.cuh"
 MAX_BLOCKS = 1024
-SLOTS = 16  # trace words per block
+SLOTS = 24  # trace words per block
 H, K, E = 7168, 8, 256
 
 # (point, what it marks, anchor, where, guard): the point's code goes "before" or "after" the anchor (which must
 # occur exactly once in TRACED_FILE), "inside" it (after its first line), or "sync-before" / "sync-after" (a block
-# barrier, then the point); `guard` keeps a point in code both rounds share (its barrier too) to its own round.
+# barrier, then the point), or "warp-before" / "warp-after" (lane 0 of every warp passing it, the latest time kept:
+# the block's last warp there); `guard` keeps a point in code both rounds share (its barrier too) to its own round.
 # In the order a block passes them.
 SCANNED = "    local_scan_groups<FMT>(ep, s_shared_n, count_of, s_offsets, s_tiles, &s_tiles_end);\n"  # both rounds
 PLACED = "    // 4. (deferred) The scales in whole lines"  # both rounds: the items loop is done
@@ -58,6 +63,30 @@ POINTS = [  # the small round (dispatch_local with kBook)
     ("groups scanned", "barrier: the groups' first rows (and scale tiles)", SCANNED, "after", "kBook"),
     ("items placed", "barrier: the block's rows, scales and metadata stored", PLACED, "sync-before", "kBook"),
 ]
+# --items: warp points of the small round's padding and items (inserted before its "items placed")
+ITEM_POINTS = [
+    ("pad start", "the block's last warp at the padding", "    if (warp >= pad_warp)\n        for (int g = blockIdx.x;",
+     "warp-before", "kBook"),
+    ("padded", "the last padding warp done (stores issued)", "    // 3. Items: encode the chunk once", "warp-before",
+     "kBook && warp >= pad_warp"),
+    ("item start", "the last item warp at its item", "        const bool prepared = kPrepares && item == item0;",
+     "warp-before", "kBook"),
+    ("encoded", "the last item warp encoded its chunk (or not, bf16)",
+     "        // the token's rows (lane k: choice k's row, or -1)", "warp-before", "kBook"),
+    ("payload stored", "the last item warp's payload stores issued", "        if (sb && defer) {\n", "warp-before",
+     "kBook"),
+    ("scales placed", "the last item warp's scale stores issued",
+     "        if (ch == 0) {\n            if (row >= 0) {\n", "warp-before", "kBook"),
+    ("item done", "the last item warp's metadata stored",
+     "        __syncwarp();  // the staging is reused by the warp's next item\n", "warp-after", "kBook"),
+]
+
+
+def small_points(items: bool = False) -> list:
+    """The small round's points, in slot order: POINTS, with ITEM_POINTS before its last (``--items``)."""
+    return POINTS[:-1] + ITEM_POINTS + POINTS[-1:] if items else POINTS
+
+
 LARGE_POINTS = [  # the larger round (dispatch_local_large, dispatch_local without kBook)
     ("entry", "the block starts the round", "    __shared__ int s_gen, s_ok;\n", "before", ""),
     ("counted", "barrier: the block's tokens counted, its histogram atomics done", "    local_count(ep, a, local_hist(ep, parity), s_count);\n", "after", ""),
@@ -68,7 +97,7 @@ LARGE_POINTS = [  # the larger round (dispatch_local_large, dispatch_local witho
     ("all noted", "(deferred scales) barrier: every block's records in", "        gather_scales<FMT>(ep, a, 0,", "before", ""),
     ("gathered", "(deferred scales) barrier: the block's scale tiles stored", "static_cast<int>(blockIdx.x), grid_warps, lane);\n", "sync-after", ""),
 ]
-LARGE_BASE = 8  # the larger round's slots: LARGE_BASE + its point's index
+LARGE_BASE = 16  # the larger round's slots: LARGE_BASE + its point's index
 
 HEADER = f"""
 #ifndef CUEP_TRACE_LOCAL
@@ -76,6 +105,8 @@ HEADER = f"""
 extern "C" {{ __device__ unsigned long long cuep_trace_local[{MAX_BLOCKS} * {SLOTS}]; }}
 #define CUEP_TP(i) do {{ if (threadIdx.x == 0 && blockIdx.x < {MAX_BLOCKS}) {{ unsigned long long g_; \\
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g_)); cuep_trace_local[blockIdx.x * {SLOTS} + (i)] = g_; }} }} while (0)
+#define CUEP_TW(i) do {{ if (threadIdx.x % 32 == 0 && blockIdx.x < {MAX_BLOCKS}) {{ unsigned long long g_; \\
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g_)); atomicMax(&cuep_trace_local[blockIdx.x * {SLOTS} + (i)], g_); }} }} while (0)
 #endif
 """
 
@@ -86,6 +117,8 @@ def _place(out: str, name: str, anchor: str, where: str, guard: str, slot: int) 
         raise ValueError(f"trace point {name!r}: its anchor occurs {n} times in {TRACED_FILE} (want 1): "
                          f"{anchor!r}; update POINTS / LARGE_POINTS in benchmarks/trace_local.py to the source")
     tp = f"CUEP_TP({slot});"
+    if where.startswith("warp-"):  # lane 0 of each warp, the latest time kept
+        tp, where = f"CUEP_TW({slot});", where[len("warp-"):]
     if where.startswith("sync-"):  # a barrier, then the point: one barrier in each round (the guard is constexpr)
         tp = f"__syncthreads(); {tp}"
     if guard:
@@ -100,10 +133,11 @@ def _place(out: str, name: str, anchor: str, where: str, guard: str, slot: int) 
     return out.replace(anchor, code)
 
 
-def traced_source(src: str) -> str:
-    """``src`` (TRACED_FILE's text) with the trace header and every point; ValueError naming a missing anchor."""
+def traced_source(src: str, items: bool = False) -> str:
+    """``src`` (TRACED_FILE's text) with the trace header and every point (``items``: ITEM_POINTS too); ValueError
+    naming a missing anchor."""
     out = src
-    for i, (name, _, anchor, where, guard) in enumerate(POINTS):
+    for i, (name, _, anchor, where, guard) in enumerate(small_points(items)):
         out = _place(out, name, anchor, where, guard, i)
     for i, (name, _, anchor, where, guard) in enumerate(LARGE_POINTS):
         out = _place(out, name, anchor, where, guard, LARGE_BASE + i)
@@ -113,14 +147,14 @@ def traced_source(src: str) -> str:
     return out.replace(marker, marker + HEADER)
 
 
-def build(work: Path) -> Path:
+def build(work: Path, items: bool = False) -> Path:
     """Copy ROOT/cuep to ``work``/cuep with the points added; returns the copy's package directory."""
     dst = work / "cuep"
     if dst.exists():
         shutil.rmtree(dst)
     shutil.copytree(ROOT / "cuep", dst, ignore=shutil.ignore_patterns("__pycache__"))
     path = dst / TRACED_FILE
-    path.write_text(traced_source(path.read_text()))
+    path.write_text(traced_source(path.read_text(), items))
     return dst
 
 
@@ -145,7 +179,7 @@ def child(args) -> int:
                              memptr=_kernels.module("dispatch.cu").get_global("cuep_trace_local"))
         for n in args.tokens:
             small = n <= cfg.small_batch_tokens
-            points, base = (POINTS, 0) if small else (LARGE_POINTS, LARGE_BASE)
+            points, base = (small_points(args.items), 0) if small else (LARGE_POINTS, LARGE_BASE)
             x = cupy.asarray(rng.standard_normal((n, H), np.float32).astype(bf16))
             ids = cupy.asarray(np.argsort(rng.random((n, E)), axis=1)[:, :K].astype(np.int32))
             w = cupy.asarray(rng.random((n, K), np.float32))
@@ -198,6 +232,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", type=int, default=0)
     p.add_argument("--out", default=os.environ.get("OUT", "out/trace_local"))
     p.add_argument("--work-dir", default=None, help="where the traced copy goes (default <tmp>/cuep_trace_local)")
+    p.add_argument("--items", action="store_true",
+                   help="also the small round's warp points (padding, each item's encode, stores, scales)")
     p.add_argument("--dry-run", action="store_true", help="build the traced copy and list the points; no GPU")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -205,10 +241,11 @@ def main(argv=None) -> int:
         return child(args)
     work = Path(args.work_dir or Path(tempfile.gettempdir()) / "cuep_trace_local")
     work.mkdir(parents=True, exist_ok=True)
-    pkg = build(work)
-    print(f"[trace] traced copy: {pkg} ({len(POINTS) + len(LARGE_POINTS)} points in {TRACED_FILE})", file=sys.stderr)
+    pkg = build(work, args.items)
+    small = small_points(args.items)
+    print(f"[trace] traced copy: {pkg} ({len(small) + len(LARGE_POINTS)} points in {TRACED_FILE})", file=sys.stderr)
     if args.dry_run:
-        for title, points, base in (("small round", POINTS, 0), ("larger round", LARGE_POINTS, LARGE_BASE)):
+        for title, points, base in (("small round", small, 0), ("larger round", LARGE_POINTS, LARGE_BASE)):
             print(f"{title}:")
             for i, (name, what, _, where, _) in enumerate(points):
                 print(f"  {base + i:2d}  {name:16s} {where:11s} {what}")

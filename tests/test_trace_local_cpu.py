@@ -1,5 +1,6 @@
 """``benchmarks/trace_local.py`` without a GPU: its trace points (both rounds') still find their anchors in the
-current one-rank dispatch source, a missing anchor is named, and the traced copy compiles for sm_90 like the runtime's kernels."""
+current one-rank dispatch source (with --items too), a missing anchor is named, and the traced copy compiles for
+sm_90 like the runtime's kernels."""
 from __future__ import annotations
 
 import importlib.util
@@ -23,18 +24,21 @@ def trace_local():
     return mod
 
 
-def test_every_point_lands_once(trace_local):
+@pytest.mark.parametrize("items", [False, True], ids=["points", "with_item_warps"])
+def test_every_point_lands_once(trace_local, items):
     src = (ROOT / "cuep" / trace_local.TRACED_FILE).read_text()
-    out = trace_local.traced_source(src)
-    for i in range(len(trace_local.POINTS)):
-        assert out.count(f"CUEP_TP({i});") == 1, trace_local.POINTS[i][0]
+    out = trace_local.traced_source(src, items)
+    small = trace_local.small_points(items)
+    for i, point in enumerate(small):  # thread 0's points, or (warp-) every warp's lane 0's
+        macro = "CUEP_TW" if point[3].startswith("warp-") else "CUEP_TP"
+        assert out.count(f"{macro}({i});") == 1, point[0]
     for i in range(len(trace_local.LARGE_POINTS)):
         assert out.count(f"CUEP_TP({trace_local.LARGE_BASE + i});") == 1, trace_local.LARGE_POINTS[i][0]
-    assert len(trace_local.POINTS) <= trace_local.LARGE_BASE  # the two rounds' slots do not overlap
+    assert len(small) <= trace_local.LARGE_BASE  # the two rounds' slots do not overlap
     assert trace_local.LARGE_BASE + len(trace_local.LARGE_POINTS) <= trace_local.SLOTS
-    n_points = len(trace_local.POINTS) + len(trace_local.LARGE_POINTS)
-    assert out.count("CUEP_TP(") == n_points + 1  # the points and the macro's definition
-    assert out.count("cuep_trace_local[") == 2  # declared once, written by the macro
+    n_points = len(small) + len(trace_local.LARGE_POINTS)
+    assert out.count("CUEP_TP(") + out.count("CUEP_TW(") == n_points + 2  # the points and the macros' definitions
+    assert out.count("cuep_trace_local[") == 3  # declared once, written by each macro
     # the product's source is not touched
     assert "CUEP_TP" not in (ROOT / "cuep" / trace_local.TRACED_FILE).read_text()
 
@@ -50,6 +54,7 @@ def test_dry_run_builds_the_copy(trace_local, tmp_path, capsys):
     assert trace_local.main(["--dry-run", "--work-dir", str(tmp_path)]) == 0
     traced = (tmp_path / "cuep" / trace_local.TRACED_FILE).read_text()
     assert traced.count("CUEP_TP(") == len(trace_local.POINTS) + len(trace_local.LARGE_POINTS) + 1
+    assert traced.count("CUEP_TW(") == 1  # (defined; warp points only with --items)
     listed = capsys.readouterr().out
     assert all(p[0] in listed for p in trace_local.POINTS + trace_local.LARGE_POINTS)
 
@@ -60,7 +65,7 @@ def test_traced_copy_compiles_for_sm90(trace_local, tmp_path):
         if os.environ.get("CI"):
             pytest.fail("nvcc not found: CI must compile the traced copy (install the CUDA 13 toolkit)")
         pytest.skip("nvcc not found")
-    pkg = trace_local.build(tmp_path)
+    pkg = trace_local.build(tmp_path, items=True)  # (every point: thread 0's and the warp points)
     src_dir = str(_kernels.SRC_DIR)
     cmd = [a.replace(src_dir, str(pkg / "cuda_src")) for a in _kernels.nvcc_command("dispatch.cu",
                                                                                      out=str(tmp_path / "k.cubin"))]
