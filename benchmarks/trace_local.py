@@ -7,21 +7,21 @@
     PYTHONPATH=. python3 benchmarks/trace_local.py --formats fp8 --tokens 1 32 --items   # + padding / item warps
     python3 benchmarks/trace_local.py --dry-run                           # build and list the points (no GPU)
 
-A one-rank round is one launch, so ``python -m cuep.bench --floor --phases`` cannot split it. This script copies
-the ``cuep`` package to a work directory and adds trace points to the copy's one-rank path
-(``cuda_src/dispatch/local.cuh``; the product is never changed): at each point thread 0 of every block writes
+A one-rank round is one launch, so ``python -m cuep.bench --floor --phases`` cannot split it. This script copies the
+``cuep`` package to a work directory and adds trace points to the copy's one-rank path
+(``cuda_src/dispatch/local.cuh``; the product is never changed): at each point thread 0 of every block (at the small
+round's layout points, "team-": the first thread of the warps laying it out, the last 8 in a split layout) writes
 ``%globaltimer`` to a device array. The copy then runs in a child process (its own kernel cache entries, since the
 source differs), H = 7168, K = 8, E = 256, one real rank, max_tokens_per_rank = max(``--tokens``), so
-small_batch_tokens is min(that, 256): N up to it takes the small round (POINTS: the book, the scan, the items),
-a larger N the larger round (LARGE_POINTS: the count, its grid barrier, the items, the deferred scale gather).
+small_batch_tokens is min(that, 256): N up to it takes the small round (POINTS: the book, the scan, the items), a
+larger N the larger round (LARGE_POINTS: the count, its grid barrier, the items, the deferred scale gather).
 ``--items`` adds warp points to the small round (ITEM_POINTS: lane 0 of every warp passing one keeps the latest
-time, so each is the block's last warp there): the padding's start and end, each item's start, encode, payload
-and scale stores and end (an atomic each, so these perturb the round a little more).
-Per format and N, after untimed warm-up rounds, ``--reps`` dispatches each after a combine (as in a model), every
-point's time after its block's entry, the median over blocks (and the slowest block), median over the reps. A
-point is thread 0's view, except where it follows a barrier (then it is the block's). The points themselves cost a
-little (two stores each); the untraced launch around them (entry and drain) is the rest of ``cuep.bench
---floor``'s figure.
+time, so each is the block's last warp there): the padding's start and end, each item's start, encode, payload and
+scale stores and end (an atomic each, so these perturb the round a little more). Per format and N, after untimed
+warm-up rounds, ``--reps`` dispatches each after a combine (as in a model), every point's time after its block's
+entry, the median over blocks (and the slowest block), median over the reps. A point is that thread's view, except
+where it follows a barrier (then it is the block's or the team's). The points themselves cost a little (two stores
+each); the untraced launch around them (entry and drain) is the rest of ``cuep.bench --floor``'s figure.
 
 Each point is placed by an anchor, a line of the source it goes before or after; when the source changes and an
 anchor no longer matches exactly once, the build stops and names it (tests/test_trace_local_cpu.py checks them
@@ -51,16 +51,18 @@ H, K, E = 7168, 8, 256
 # barrier, then the point), or "warp-before" / "warp-after" (lane 0 of every warp passing it, the latest time kept:
 # the block's last warp there); `guard` keeps a point in code both rounds share (its barrier too) to its own round.
 # In the order a block passes them.
-SCANNED = "    local_scan_groups<FMT>(ep, s_shared_n, count_of, s_offsets, s_tiles, &s_tiles_end);\n"  # both rounds
+SCANNED = "    if (lays_out) local_scan_groups<FMT, Team>(ep, s_shared_n, count_of, s_offsets, s_tiles, &s_tiles_end);\n"  # both
+JOINED = "    if (kMaySplit) __syncthreads();  // the item warps join: the layout and s_failed are the block's\n"
 PLACED = "    // 4. (deferred) The scales in whole lines"  # both rounds: the items loop is done
 POINTS = [  # the small round (dispatch_local with kBook)
     ("entry", "the block starts the placement", "    const int failed = kBook ? read_failed(ep) : 0;\n", "before", "kBook"),
-    ("ids issued", "the book's first top-k loads issued", "    load(0);\n    meanwhile();\n", "inside", ""),
-    ("prepared", "the warp's first item planned, its loads issued", "    meanwhile();\n", "after", ""),
-    ("masks cleared", "barrier: expert masks zeroed", "    __syncthreads();\n    for (int t0 = 0; t0 < N; t0 += kLoads * per_pass) {\n", "inside", ""),
-    ("choices booked", "barrier: every choice in its expert's mask", "    __syncthreads();\n    for (int i = threadIdx.x; i < N << lw;", "inside", ""),
-    ("book done", "each choice's position in its group", "        local_book(ep, a, book, prepare);\n", "after", ""),
-    ("groups scanned", "barrier: the groups' first rows (and scale tiles)", SCANNED, "after", "kBook"),
+    ("ids issued", "the book's first top-k loads issued", "    load(0);\n    meanwhile();\n", "team-inside", ""),
+    ("prepared", "the warp's first item planned, its loads issued", "    meanwhile();\n", "team-after", ""),
+    ("masks cleared", "barrier: expert masks zeroed", "    Team::sync();\n    for (int t0 = 0; t0 < N; t0 += kLoads * per_pass) {\n", "team-inside", ""),
+    ("choices booked", "barrier: every choice in its expert's mask", "    Team::sync();\n    for (int i = Team::tid(); i < N << lw;", "team-inside", ""),
+    ("book done", "each choice's position in its group", "        layout = smem + small_book_bytes(ep);\n", "team-before", ""),
+    ("groups scanned", "barrier: the groups' first rows (and scale tiles)", SCANNED, "team-after", "kBook"),
+    ("layout joined", "barrier: (split) the item warps' first items encoded", JOINED, "after", "kBook"),
     ("items placed", "barrier: the block's rows, scales and metadata stored", PLACED, "sync-before", "kBook"),
 ]
 # --items: warp points of the small round's padding and items (inserted before its "items placed")
@@ -105,6 +107,8 @@ HEADER = f"""
 extern "C" {{ __device__ unsigned long long cuep_trace_local[{MAX_BLOCKS} * {SLOTS}]; }}
 #define CUEP_TP(i) do {{ if (threadIdx.x == 0 && blockIdx.x < {MAX_BLOCKS}) {{ unsigned long long g_; \\
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g_)); cuep_trace_local[blockIdx.x * {SLOTS} + (i)] = g_; }} }} while (0)
+#define CUEP_TPT(i) do {{ if (Team::tid() == 0 && blockIdx.x < {MAX_BLOCKS}) {{ unsigned long long g_; \\
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g_)); cuep_trace_local[blockIdx.x * {SLOTS} + (i)] = g_; }} }} while (0)
 #define CUEP_TW(i) do {{ if (threadIdx.x % 32 == 0 && blockIdx.x < {MAX_BLOCKS}) {{ unsigned long long g_; \\
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g_)); atomicMax(&cuep_trace_local[blockIdx.x * {SLOTS} + (i)], g_); }} }} while (0)
 #endif
@@ -119,6 +123,8 @@ def _place(out: str, name: str, anchor: str, where: str, guard: str, slot: int) 
     tp = f"CUEP_TP({slot});"
     if where.startswith("warp-"):  # lane 0 of each warp, the latest time kept
         tp, where = f"CUEP_TW({slot});", where[len("warp-"):]
+    if where.startswith("team-"):  # by the first thread of the warps laying the round out (dispatch_local's team)
+        tp, where = f"CUEP_TPT({slot});", where[len("team-"):]
     if where.startswith("sync-"):  # a barrier, then the point: one barrier in each round (the guard is constexpr)
         tp = f"__syncthreads(); {tp}"
     if guard:

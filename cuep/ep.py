@@ -492,16 +492,20 @@ def _prepared(buf: Buffer, i: int, name: str, threads: int, smem: int):
 
 def _dispatch_plan(buf: Buffer, host: _Host, i: int, ph: int, src: str, route: int):
     """The prepared launch of local rank ``i``'s dispatch of phases ``ph`` from ``src`` input by ``route``: 0 the
-    protocol's kernel; 1 a small one-rank round; 2 a larger one-rank round (cuda_src/dispatch/local.cuh).
+    protocol's kernel; 1 a small one-rank round; 2 a larger one-rank round; 3 a small one laid out split
+    (cuda_src/dispatch/local.cuh).
     Worked out once per key, then reused."""
     key = (i, ph, src, route)
     launch = host.plans.get(key)
     if launch is None:
         threads, smem = _dispatch_launch(buf, staged=host.fmt != "bf16" or src != "bf16")
-        kind = ("", "local_", "local_large_")[route]
+        # (the split kernels lay out with kBookWarps warps beside at least as many: a block cut to fewer warps by
+        # a wide row's staging takes the plain small round's kernel)
+        kind = ("", "local_", "local_large_", "local_split_")[
+            1 if route == 3 and threads // 32 < 2 * _SPLIT_BOOK_WARPS else route]
         launch = host.plans[key] = _prepared(buf, i, f"dispatch.cu:cuep_dispatch_{kind}{host.fmt}_from_{src}",
                                              threads, smem)
-        if route == 1 and src not in host.chunks:
+        if route & 1 and src not in host.chunks:  # (small rounds: 1, 3)
             host.chunks[src] = [_small_round_chunks(n, host.hidden, buf.num_sms, threads // 32, host.fmt != "bf16",
                                                     host.top_k) for n in range(host.small + 1)]
     return launch
@@ -609,12 +613,19 @@ def _validate_ids(buf: Buffer, ids: list) -> None:
                                  f"token's top-k experts must be distinct")
 
 
-def _route(host: _Host, phases: int, n: int) -> int:
+_SPLIT_TOKENS = 32  # kSplitTokens (cuda_src/dispatch/local.cuh): the largest small round laid out split
+_SPLIT_BOOK_WARPS = 8  # kBookWarps there: the warps that lay a split round out
+
+
+def _route(host: _Host, phases: int, n: int, src: str) -> int:
     """Which kernel a rank's dispatch launch takes: 0 the protocol; one rank's fused call
-    (cuda_src/dispatch/local.cuh) 1 a small round (n <= small_batch_tokens), 2 a larger one."""
+    (cuda_src/dispatch/local.cuh) 1 a small round (n <= small_batch_tokens), 2 a larger one, 3 a small round laid
+    out split (it encodes: not bf16 from bf16; n <= _SPLIT_TOKENS)."""
     if not (host.one_rank and phases == _PHASES_ALL):
         return 0
-    return 1 if (host.small and n <= host.small) else 2
+    if not (host.small and n <= host.small):
+        return 2
+    return 3 if n <= _SPLIT_TOKENS and (host.fmt != "bf16" or src != "bf16") else 1
 
 
 def _with_one_call(phases: int) -> int:
@@ -661,7 +672,7 @@ def _dispatch_single_launch(buf, host, phases: int, src: str, n: int, stream, x_
     """The one-local-rank dispatch's launch (from ``src`` input, on ``stream``: None is CuPy's current, a handle
     a torch call's) and the round's bookkeeping; returns the :class:`Dispatched` (torch views when ``stream`` is
     given), or None when the launch is not prepared or the device is not current (nothing done)."""
-    route = _route(host, phases, n)
+    route = _route(host, phases, n, src)
     launch = host.plans.get((0, phases, src, route))
     if launch is None or (not route and host.ipc and "dispatch.cu" not in buf._launched) \
             or _runtime.getDevice() != host.devices[0]:
@@ -669,7 +680,7 @@ def _dispatch_single_launch(buf, host, phases: int, src: str, n: int, stream, x_
     rounds = buf._rounds
     seq = rounds["dispatches"] + 1
     ph = _with_one_call(phases)
-    chunks = host.chunks[src][n] if route == 1 else 0
+    chunks = host.chunks[src][n] if route & 1 else 0
     if stream is None:
         d = Dispatched(*host.results[0], n, topk_ids, has_weights, buf, seq)
         launch.launch_call(buf.num_sms, x_ptr, ids_ptr, w_ptr, n, global_scale, ph, chunks)
@@ -721,7 +732,7 @@ def _dispatch(buf: Buffer, x, topk_ids, topk_weights, global_scale: float, phase
             x, w, num = xs[i], ws[i], ns[i]
             dt = x.dtype
             src = "bf16" if dt is bf16 or dt == bf16 else "f32"
-            route = _route(host, ph, num)
+            route = _route(host, ph, num, src)
             launch = host.plans.get((i, ph, src, route)) or _dispatch_plan(buf, host, i, ph, src, route)
             if route:
                 rounds["local"] = True
@@ -729,7 +740,7 @@ def _dispatch(buf: Buffer, x, topk_ids, topk_weights, global_scale: float, phase
                 if host.ipc:
                     _before_launch(buf, "dispatch.cu")  # after the plan: the first one compiles
             launch.launch_call(buf.num_sms, x.data.ptr, ids[i].data.ptr, 0 if w is None else w.data.ptr, num,
-                               global_scale, ph | local_x, host.chunks[src][num] if route == 1 else 0)
+                               global_scale, ph | local_x, host.chunks[src][num] if route & 1 else 0)
     finally:
         if dev != home:
             runtime.setDevice(home)

@@ -565,6 +565,8 @@ def test_small_round_chunks_use_the_kernels_constants():
     assert int(consts["kWarp"]) * int(consts["kLaneValues"]) == ep._WARP_SPAN
     assert int(re.search(r"#define CUEP_DISPATCH_ENCODE_STEPS (\d+)", text).group(1)) == ep._ENCODE_STEPS
     assert int(consts["kPartsShift"]) == ep._PARTS_SHIFT
+    assert int(consts["kSplitTokens"]) == ep._SPLIT_TOKENS
+    assert int(consts["kBookWarps"]) == ep._SPLIT_BOOK_WARPS
     local = (src / "dispatch" / "local.cuh").read_text()
     assert "take_chunk_plan(a.chunk_plan & ~(7 << kPartsShift), n_spans," in local
     assert "lp = (a.chunk_plan >> kPartsShift) & 7;" in local
@@ -589,6 +591,25 @@ def test_small_round_chunks_known_cases():
     assert plan(10, 7168, 132, 16, False, 8) == 1 | 28 << 16  # 280 pairs: more than twice the blocks
     assert plan(1, 7168, 132, 16, False, 3) == 1 | 28 << 16 | 1 << 28  # parts: a power of two <= top_k
     assert plan(4, 7168, 132, 2, True, 8) == 1 | 28 << 16  # two warps a block: no padding room, no parts
+
+
+def test_dispatch_route_by_round():
+    """ep._route: the protocol's kernel unless one rank runs every phase; then a small round (N <= small_batch_tokens)
+    takes the split layout's kernel when it encodes (not bf16 from bf16) and N <= _SPLIT_TOKENS, a larger round its
+    own kernel; and each route's kernel is one dispatch.cu defines."""
+    import re
+
+    host = types.SimpleNamespace(one_rank=True, small=128, fmt="nvfp4")
+    all_phases = ep._PHASES_ALL
+    assert [ep._route(host, all_phases, n, "bf16") for n in (0, 1, 32, 33, 128, 129)] == [3, 3, 3, 1, 1, 2]
+    assert ep._route(host, all_phases & ~ep.PHASE_RECV, 1, "bf16") == 0
+    assert ep._route(types.SimpleNamespace(one_rank=False, small=128, fmt="nvfp4"), all_phases, 1, "bf16") == 0
+    bf16 = types.SimpleNamespace(one_rank=True, small=128, fmt="bf16")
+    assert ep._route(bf16, all_phases, 1, "bf16") == 1 and ep._route(bf16, all_phases, 1, "f32") == 3
+    assert ep._route(types.SimpleNamespace(one_rank=True, small=0, fmt="fp8"), all_phases, 1, "bf16") == 2
+    src = (_kernels.SRC_DIR / "dispatch.cu").read_text()
+    split = set(re.findall(r"^CUEP_DISPATCH_LOCAL_SPLIT\((\w+), (\w+),", src, re.M))
+    assert split == {(f, s) for f in ("bf16", "fp8", "nvfp4", "mxfp4") for s in ("bf16", "f32")} - {("bf16", "bf16")}
 
 
 @pytest.mark.parametrize("quantized", [False, True])

@@ -21,9 +21,27 @@ def make(**kw):
 
 
 def local_launches(buf, op: str = "dispatch") -> int:
-    """How many one-rank kernels of ``op`` this buffer has prepared (one per kernel variant used)."""
+    """How many one-rank kernels of ``op`` this buffer has prepared (one per kernel variant used), the split
+    layout's aside (:func:`split_launches`)."""
     host = buf._launch_cache.get("host")
-    return sum(1 for key in (host.launches if host else {}) if f":cuep_{op}_local_" in key[1])
+    return sum(1 for key in (host.launches if host else {})
+               if f":cuep_{op}_local_" in key[1] and ":cuep_dispatch_local_split_" not in key[1])
+
+
+def split_launches(buf) -> int:
+    """How many split-layout kernels (a small round that encodes, N <= 32: cuep_dispatch_local_split_*) this buffer
+    has prepared."""
+    host = buf._launch_cache.get("host")
+    return sum(1 for key in (host.launches if host else {}) if ":cuep_dispatch_local_split_" in key[1])
+
+
+def splits(buf) -> bool:
+    """Whether this buffer's small rounds that encode take the split layout's kernels: the block has the warps for
+    it (cuep/ep.py _dispatch_plan)."""
+    from cuep import ep
+
+    threads, _ = ep._dispatch_launch(buf, staged=True)
+    return threads // 32 >= 2 * ep._SPLIT_BOOK_WARPS
 
 
 NARROW, WIDE, F32 = "cuep_combine_local_bf16", "cuep_combine_local_wide_bf16", "cuep_combine_local_f32"
@@ -50,7 +68,8 @@ def test_local_rounds_match_reference(fmt, shared, rng):
     run_round(buf, cfg, rng, [20], skew=True, dtype=np.dtype(np.float32))
     run_round(buf, cfg, rng, [12], async_halves=True)  # two launches: the protocol's halves
     run_round(buf, cfg, rng, [12], bare=True)
-    assert local_launches(buf) >= 3  # small and larger rounds, bf16 / f32 input
+    # small rounds that encode split (from f32; quantized from bf16 too), the others plain; larger rounds
+    assert (local_launches(buf), split_launches(buf)) == ((2, 1) if fmt == "bf16" else (1, 2))
     assert combine_kernels(buf) == {NARROW, WIDE}  # WIDE for the round of 0 tokens
     buf.close()
 
@@ -82,7 +101,8 @@ def test_larger_local_rounds_gather_scales(fmt, rng):
                            (16, False, None), (100, False, None)):
         kw = {} if dtype is None else {"dtype": dtype}
         run_round(buf, cfg, rng, [n], skew=skew, **kw)
-    assert local_launches(buf) == 3 and combine_kernels(buf) == {NARROW, WIDE}  # WIDE: 1280-1600 tokens
+    assert local_launches(buf) == 2 and split_launches(buf) == 1  # larger from bf16 / f32; N = 16 split
+    assert combine_kernels(buf) == {NARROW, WIDE}  # WIDE: 1280-1600 tokens
     buf.close()
 
 
@@ -148,13 +168,18 @@ def test_local_rounds_float32_combine(shared, rng):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
 def test_local_rounds_other_shapes(fmt, rng):
-    # top_k = 1 and 2, many experts with few tokens each (most groups empty), a wide row (several chunks per token)
+    # top_k = 1 and 2, many experts with few tokens each (most groups empty), a wide row (several chunks per token),
+    # a row so wide that the block has too few warps for the split layout (its small rounds take the plain kernel)
     for kw in (dict(top_k=1, n_experts=8), dict(top_k=2, n_experts=256, hidden=2048),
-               dict(top_k=8, n_experts=64, hidden=7168, max_tokens_per_rank=128, small_batch_tokens=128)):
+               dict(top_k=8, n_experts=64, hidden=7168, max_tokens_per_rank=128, small_batch_tokens=128),
+               dict(top_k=2, n_experts=16, hidden=32768, max_tokens_per_rank=40)):
         cfg, buf = make(dispatch_format=fmt, **kw)
         for n in (1, 5, cfg.small_batch_tokens):
             run_round(buf, cfg, rng, [n])
-        assert local_launches(buf) == 1
+        wide = kw["hidden"] > 7168 if "hidden" in kw else False
+        assert splits(buf) is not wide
+        assert split_launches(buf) == (0 if wide else 1)
+        assert local_launches(buf) == (1 if wide or cfg.small_batch_tokens > 32 else 0)
         buf.close()
 
 
@@ -185,15 +210,16 @@ def test_decode_shape_row_parts(fmt, rng):
     for n in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17, 24, 33, 64, 1):
         run_round(buf, cfg, rng, [n], weights_at="dispatch")
     run_round(buf, cfg, rng, [6], weights_at="combine", residual=True)
-    assert local_launches(buf) == 1
+    assert local_launches(buf) == 1 and split_launches(buf) == (fmt != "bf16")  # quantized N <= 32: split
     buf.close()
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n, bad_token, dup_token", [(8, 3, 5), (3, 2, 1)], ids=["small", "tiny"])
 @pytest.mark.parametrize("bad", ["out_of_range", "duplicate"])
-def test_local_round_reports_bad_routing(rng, bad, n, bad_token, dup_token):
-    cfg, buf = make()
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])  # nvfp4: the split layout's book reports them
+def test_local_round_reports_bad_routing(rng, fmt, bad, n, bad_token, dup_token):
+    cfg, buf = make(dispatch_format=fmt)
     xs, ids, ws = make_inputs(rng, cfg, [n])
     if bad == "out_of_range":
         ids[0][bad_token, 2] = cfg.n_experts + 5
@@ -205,7 +231,7 @@ def test_local_round_reports_bad_routing(rng, bad, n, bad_token, dup_token):
     with pytest.raises(cuep.EPError, match=want):
         cuep.dispatch(buf, gx, gids, gws)
         buf.synchronize()
-    assert local_launches(buf) == 1
+    assert (local_launches(buf), split_launches(buf)) == ((1, 0) if fmt == "bf16" else (0, 1))
     buf.reset()
     run_round(buf, cfg, rng, [n])  # a good round after reset
     buf.close()

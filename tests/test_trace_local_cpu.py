@@ -30,15 +30,15 @@ def test_every_point_lands_once(trace_local, items):
     out = trace_local.traced_source(src, items)
     small = trace_local.small_points(items)
     for i, point in enumerate(small):  # thread 0's points, or (warp-) every warp's lane 0's
-        macro = "CUEP_TW" if point[3].startswith("warp-") else "CUEP_TP"
+        macro = {"warp": "CUEP_TW", "team": "CUEP_TPT"}.get(point[3].split("-")[0], "CUEP_TP")
         assert out.count(f"{macro}({i});") == 1, point[0]
     for i in range(len(trace_local.LARGE_POINTS)):
         assert out.count(f"CUEP_TP({trace_local.LARGE_BASE + i});") == 1, trace_local.LARGE_POINTS[i][0]
     assert len(small) <= trace_local.LARGE_BASE  # the two rounds' slots do not overlap
     assert trace_local.LARGE_BASE + len(trace_local.LARGE_POINTS) <= trace_local.SLOTS
     n_points = len(small) + len(trace_local.LARGE_POINTS)
-    assert out.count("CUEP_TP(") + out.count("CUEP_TW(") == n_points + 2  # the points and the macros' definitions
-    assert out.count("cuep_trace_local[") == 3  # declared once, written by each macro
+    assert out.count("CUEP_TP(") + out.count("CUEP_TPT(") + out.count("CUEP_TW(") == n_points + 3  # (+ the macros)
+    assert out.count("cuep_trace_local[") == 4  # declared once, written by each macro
     # the product's source is not touched
     assert "CUEP_TP" not in (ROOT / "cuep" / trace_local.TRACED_FILE).read_text()
 
@@ -47,13 +47,14 @@ def test_a_missing_anchor_is_named(trace_local):
     src = (ROOT / "cuep" / trace_local.TRACED_FILE).read_text()
     name, _, anchor = trace_local.POINTS[3][:3]
     with pytest.raises(ValueError, match=f"trace point '{name}': its anchor occurs 0 times"):
-        trace_local.traced_source(src.replace(anchor, anchor.replace("__syncthreads", "__syncwarp")))
+        trace_local.traced_source(src.replace(anchor, anchor.replace("Team::sync()", "__syncwarp()")))
 
 
 def test_dry_run_builds_the_copy(trace_local, tmp_path, capsys):
     assert trace_local.main(["--dry-run", "--work-dir", str(tmp_path)]) == 0
     traced = (tmp_path / "cuep" / trace_local.TRACED_FILE).read_text()
-    assert traced.count("CUEP_TP(") == len(trace_local.POINTS) + len(trace_local.LARGE_POINTS) + 1
+    n_points = len(trace_local.POINTS) + len(trace_local.LARGE_POINTS)
+    assert traced.count("CUEP_TP(") + traced.count("CUEP_TPT(") == n_points + 2
     assert traced.count("CUEP_TW(") == 1  # (defined; warp points only with --items)
     listed = capsys.readouterr().out
     assert all(p[0] in listed for p in trace_local.POINTS + trace_local.LARGE_POINTS)

@@ -117,7 +117,8 @@ CUEP_EACH_DISPATCH(CUEP_DISPATCH)
 
 // The one-rank rounds (dispatch/local.cuh), kernels of their own so that neither path's registers limit the other's.
 // cuep/ep.py launches them for a fused call when the group is one rank: a small round (cuep_dispatch_local_*) or a
-// larger one (cuep_dispatch_local_large_*), one launch each.
+// larger one (cuep_dispatch_local_large_*), one launch each; a small round that encodes, of at most kSplitTokens
+// tokens, laid out split (cuep_dispatch_local_split_*: never bf16 from bf16, whose copy is the plain one's).
 #define CUEP_LOCAL_KERNEL(NAME)                                                                              \
     extern "C" __global__ void __launch_bounds__(cuep::kDispatchThreads, 1)                                  \
         NAME(const __grid_constant__ cuep::DispatchParams params)
@@ -127,7 +128,14 @@ CUEP_EACH_DISPATCH(CUEP_DISPATCH)
         const cuep::DispatchArgs call = params.call;                                                         \
         /* (the failed flag is checked inside, once the layout is built: its load then costs no latency) */     \
         if (cuep::local_round(params.ep, call.phases) && cuep::small_round(params.ep, call.num_tokens))       \
-            cuep::dispatch_local<cuep::FMT, T, true>(params.ep, call, smem, 0, [] { return true; });          \
+            cuep::dispatch_local<cuep::FMT, T, true, false>(params.ep, call, smem, 0, [] { return true; });   \
+    }
+#define CUEP_DISPATCH_LOCAL_SPLIT(FMT_NAME, SRC_NAME, FMT, T)                                                \
+    CUEP_LOCAL_KERNEL(cuep_dispatch_local_split_##FMT_NAME##_from_##SRC_NAME) {                              \
+        extern __shared__ __align__(16) char smem[];                                                         \
+        const cuep::DispatchArgs call = params.call;                                                         \
+        if (cuep::local_round(params.ep, call.phases) && cuep::small_round(params.ep, call.num_tokens))       \
+            cuep::dispatch_local<cuep::FMT, T, true, true>(params.ep, call, smem, 0, [] { return true; });    \
     }
 #define CUEP_DISPATCH_LOCAL_LARGE(FMT_NAME, SRC_NAME, FMT, T)                                                \
     CUEP_LOCAL_KERNEL(cuep_dispatch_local_large_##FMT_NAME##_from_##SRC_NAME) {                              \
@@ -137,4 +145,12 @@ CUEP_EACH_DISPATCH(CUEP_DISPATCH)
             cuep::dispatch_local_large<cuep::FMT, T>(params.ep, call, smem);                                  \
     }
 CUEP_EACH_DISPATCH(CUEP_DISPATCH_LOCAL)
+// (every entry of CUEP_EACH_DISPATCH but bf16 from bf16)
+CUEP_DISPATCH_LOCAL_SPLIT(bf16, f32, kFmtBf16, float)
+CUEP_DISPATCH_LOCAL_SPLIT(fp8, bf16, kFmtFp8, cuep::bf16_t)
+CUEP_DISPATCH_LOCAL_SPLIT(fp8, f32, kFmtFp8, float)
+CUEP_DISPATCH_LOCAL_SPLIT(nvfp4, bf16, kFmtNvfp4, cuep::bf16_t)
+CUEP_DISPATCH_LOCAL_SPLIT(nvfp4, f32, kFmtNvfp4, float)
+CUEP_DISPATCH_LOCAL_SPLIT(mxfp4, bf16, kFmtMxfp4, cuep::bf16_t)
+CUEP_DISPATCH_LOCAL_SPLIT(mxfp4, f32, kFmtMxfp4, float)
 CUEP_EACH_DISPATCH(CUEP_DISPATCH_LOCAL_LARGE)

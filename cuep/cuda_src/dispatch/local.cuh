@@ -24,6 +24,35 @@ __device__ __forceinline__ bool local_round(const EPParams& ep, int phases) {
     return ep.n_ranks == 1 && (phases & kAll) == kAll;
 }
 
+// The warps that lay a small round out and synchronize among themselves (static members: the same expressions as
+// the block's builtins, so a kernel that never splits compiles as before): the whole block (barrier 0), or in a
+// small quantized round's split layout its last kWarps warps (barrier 2; pad_group's padding threads use 1) while
+// the others encode their first item (dispatch_local). (A team of run-time fields, __syncthreads for the block,
+// made the kernels that never split 40-80 instructions longer and their rounds 1.5-3% slower, H200.)
+struct BlockTeam {
+    __device__ __forceinline__ static unsigned tid() { return threadIdx.x; }
+    __device__ __forceinline__ static unsigned nthreads() { return blockDim.x; }
+    __device__ __forceinline__ static unsigned warp() { return threadIdx.x / kWarp; }
+    __device__ __forceinline__ static unsigned n_warps() { return blockDim.x / kWarp; }
+    __device__ __forceinline__ static void sync() { __syncthreads(); }
+};
+template <int kWarps>
+struct LastWarpsTeam {
+    __device__ __forceinline__ static unsigned tid() { return threadIdx.x - (blockDim.x - kWarps * kWarp); }
+    __device__ __forceinline__ static unsigned nthreads() { return kWarps * kWarp; }
+    __device__ __forceinline__ static unsigned warp() { return tid() / kWarp; }
+    __device__ __forceinline__ static unsigned n_warps() { return kWarps; }
+    __device__ __forceinline__ static void sync() { asm volatile("bar.sync 2, %0;" ::"n"(kWarps * kWarp) : "memory"); }
+};
+template <bool kSplitLayout, int kWarps>
+struct LayoutTeam {
+    using type = BlockTeam;
+};
+template <int kWarps>
+struct LayoutTeam<true, kWarps> {
+    using type = LastWarpsTeam<kWarps>;
+};
+
 // Shared memory of the placement: (small: the book) the groups' first rows [G + 1], first scale tiles [G], (larger:
 // each local expert's row count [L], also the count's histogram), then one encode staging per warp (cuep/ep.py
 // _local_layout_bytes).
@@ -57,7 +86,7 @@ template <>
 struct ScanWord<true> {
     using type = unsigned long long;
 };
-template <int FMT, class Count>
+template <int FMT, class Team, class Count>
 __device__ void local_scan_groups(const EPParams& ep, int shared_n, Count count, unsigned* s_offsets,
                                   unsigned* s_tiles, unsigned* tiles_end) {
     constexpr bool kTiled = FMT == kFmtNvfp4 || FMT == kFmtMxfp4;
@@ -65,17 +94,17 @@ __device__ void local_scan_groups(const EPParams& ep, int shared_n, Count count,
     auto rows_of = [](V v) { return static_cast<unsigned>(v & 0xffffffffu); };
     auto tiles_of = [](V v) { return static_cast<unsigned>(static_cast<unsigned long long>(v) >> 32); };
     const int L = static_cast<int>(ep.n_local), sh = static_cast<int>(ep.shared);
-    const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, n_warps = blockDim.x / kWarp;
+    const int lane = threadIdx.x % kWarp, warp = Team::warp(), n_warps = Team::n_warps();
     __shared__ V s_sums[32];
     unsigned carry = sh ? padded(shared_n, ep) : 0;
     unsigned tile_carry = (carry + kScaleTileRows - 1) / kScaleTileRows;
-    if (threadIdx.x == 0) {
+    if (Team::tid() == 0) {
         s_offsets[0] = 0;
         if (sh) s_offsets[1] = carry;
         if (kTiled && sh) s_tiles[0] = 0;  // the shared group's (without it, the loop's l = 0 writes it)
     }
-    for (int l0 = 0; l0 < L; l0 += blockDim.x) {
-        const int l = l0 + threadIdx.x;
+    for (int l0 = 0; l0 < L; l0 += Team::nthreads()) {
+        const int l = l0 + Team::tid();
         const unsigned size = l < L ? padded(count(l), ep) : 0u;
         const unsigned tiles = kTiled ? (size + kScaleTileRows - 1) / kScaleTileRows : 0u;
         V incl = kTiled ? static_cast<V>(size | static_cast<unsigned long long>(tiles) << 32) : static_cast<V>(size);
@@ -85,7 +114,7 @@ __device__ void local_scan_groups(const EPParams& ep, int shared_n, Count count,
             if (lane >= o) incl += n;
         }
         if (lane == kWarp - 1) s_sums[warp] = incl;
-        __syncthreads();
+        Team::sync();
         V sums = lane < n_warps ? s_sums[lane] : V(0);
 #pragma unroll
         for (int o = 1; o < kWarp; o <<= 1) {
@@ -101,8 +130,8 @@ __device__ void local_scan_groups(const EPParams& ep, int shared_n, Count count,
         }
         carry += rows_of(total);
         if (kTiled) tile_carry += tiles_of(total);
-        if (kTiled && threadIdx.x == 0 && l0 + static_cast<int>(blockDim.x) >= L) *tiles_end = tile_carry;
-        __syncthreads();  // (s_sums is reused by the next pass; after the last, the layout is complete)
+        if (kTiled && Team::tid() == 0 && l0 + static_cast<int>(Team::nthreads()) >= L) *tiles_end = tile_carry;
+        Team::sync();  // (s_sums is reused by the next pass; after the last, the layout is complete)
     }
 }
 
@@ -117,7 +146,7 @@ __device__ void local_scan_groups(const EPParams& ep, int shared_n, Count count,
 //      counts from the masks (mask_tokens); its barriers order these positions before the placement reads them.
 // (The protocol's small_bookkeeping also fills per-rank token masks and message counts a one-rank round does not use,
 // in four passes with a barrier after each.)
-template <class Meanwhile>
+template <class Team, class Meanwhile>
 __device__ void local_book(const EPParams& ep, const DispatchArgs& a, const SmallBook& b, Meanwhile meanwhile) {
     const int E = static_cast<int>(ep.n_experts), K = static_cast<int>(ep.top_k);
     const int L = static_cast<int>(ep.n_local), rank = static_cast<int>(ep.rank);
@@ -126,8 +155,8 @@ __device__ void local_book(const EPParams& ep, const DispatchArgs& a, const Smal
     const int words = (N + 31) / 32;
     const ChoiceLanes cl(K, lane);
     const int lw = cl.lw, W = cl.W, per_warp = cl.per_warp, seg = cl.seg, k = cl.k;
-    const int per_pass = static_cast<int>(blockDim.x / kWarp) * per_warp;  // tokens per pass of the block
-    const int t_first = static_cast<int>(threadIdx.x / kWarp) * per_warp + seg;
+    const int per_pass = static_cast<int>(Team::n_warps()) * per_warp;  // tokens per pass of the team
+    const int t_first = static_cast<int>(Team::warp()) * per_warp + seg;
     constexpr int kLoads = 4;  // passes whose ids are loaded together
     int ids[kLoads];
     auto load = [&](int t0) {
@@ -139,8 +168,8 @@ __device__ void local_book(const EPParams& ep, const DispatchArgs& a, const Smal
     };
     load(0);
     meanwhile();
-    for (int i = threadIdx.x; i < E * words; i += blockDim.x) b.bits[i] = 0u;
-    __syncthreads();
+    for (int i = Team::tid(); i < E * words; i += Team::nthreads()) b.bits[i] = 0u;
+    Team::sync();
     for (int t0 = 0; t0 < N; t0 += kLoads * per_pass) {
         if (t0) load(t0);
 #pragma unroll
@@ -162,8 +191,8 @@ __device__ void local_book(const EPParams& ep, const DispatchArgs& a, const Smal
             if (choice) b.expert[t * K + k] = valid ? static_cast<uint16_t>(e) : kNoExpert;
         }
     }
-    __syncthreads();
-    for (int i = threadIdx.x; i < N << lw; i += blockDim.x) {  // (token, slot) pairs by W-lane segments: no c / K
+    Team::sync();
+    for (int i = Team::tid(); i < N << lw; i += Team::nthreads()) {  // (token, slot) pairs by W-lane segments: no c / K
         const int t = i >> lw, c = t * K + (i & (W - 1));
         if ((i & (W - 1)) >= K) continue;
         const int e = b.expert[c];
@@ -227,7 +256,10 @@ __device__ void local_count(const EPParams& ep, const DispatchArgs& a, int* hist
 // ---- placement (both) ------------------------------------------------------------------------------------------
 // kBook: a small round, the book built here; otherwise the counts local_count left (the histogram of `parity`, each
 // choice's position in local_choice_pos) once `counted()` (all threads; false: give up) says every block's are in.
-template <int FMT, typename T, bool kBook, class Counted>
+// kSplit: a small round laid out split (a kernel of its own, cuep_dispatch_local_split_*: the host launches it for
+// a round that encodes of at most kSplitTokens tokens, cuep/ep.py _route).
+constexpr int kSplitTokens = 32;
+template <int FMT, typename T, bool kBook, bool kSplit, class Counted>
 __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* smem, int parity, Counted counted) {
     const int K = static_cast<int>(ep.top_k), H = static_cast<int>(ep.hidden), G = static_cast<int>(ep.n_groups);
     const int L = static_cast<int>(ep.n_local), rank = static_cast<int>(ep.rank);
@@ -293,6 +325,23 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
     // round's time past it. A larger bf16 round prefetching its chunk into L2 was 1.5% slower at N = 4096.)
     constexpr bool kEncodedEarly = !kBook && !kFromX;
     constexpr bool kPrepares = kBook || kEncodedEarly;
+    // Split layout (kSplit): in a small round that encodes (not bf16 from bf16) of at most kSplitTokens tokens, the
+    // last kBookWarps warps lay the round out among themselves (LastWarpsTeam: their own barrier) while the others
+    // encode their first item (the host's plan leaves a quantized round's items on the first warps: at H = 7168 on 132
+    // SMs, at most 7 a block; a team warp with an item would encode it in step 3), and the block meets once the
+    // layout is built. (Otherwise the item warps only prefetch their chunk during the layout and encode it after:
+    // 0.5-0.7 us of an N = 1 round, fp8 / nvfp4.) H200 A/B against the plain kernel: N = 1 .. 32 fp8 1-6%, nvfp4 /
+    // mxfp4 7-10% faster, cold and warm. Not taken: larger rounds, whose book and encodes are longer (5-11% slower:
+    // the book gets half the warps and shares the issue slots with the encodes); the choice made at run time in
+    // one kernel body (every larger small round 4-5% slower). The teams are static (LayoutTeam): the kernels that
+    // never split compile exactly as without this option.
+    // (The host launches these kernels only with at least 2 x kBookWarps warps a block: cuep/ep.py
+    // _dispatch_plan.)
+    constexpr bool kMaySplit = kSplit && kBook && !kFromX;
+    constexpr int kBookWarps = 8;
+    using Team = typename LayoutTeam<kMaySplit, kBookWarps>::type;
+    const bool lays_out = !kMaySplit || warp >= n_warps - kBookWarps;
+    const bool early = kEncodedEarly || (kMaySplit && !lays_out);
     Vectors v0;
     float w0 = 0.f;
     auto prepare = [&]() {
@@ -304,7 +353,7 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
         if constexpr (kFromX) {
             v0.load(reinterpret_cast<const uint8_t*>(x_row) + cb.p_lo,
                     static_cast<int>(min(static_cast<long long>(Vectors::kBytes), cb.p_hi - cb.p_lo)), lane);
-        } else if constexpr (kEncodedEarly) {
+        } else if (early) {
             encode_chunk<FMT, T>(x_row, cb.c_lo, cb.c_hi, H, s_payload, s_scales, a.global_scale, lane);
         } else {
             const char* lo = reinterpret_cast<const char*>(x_row + cb.c_lo);
@@ -317,8 +366,9 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
 
     // 1. The layout: the book (block 0 reports bad choices) or the histogram; the groups' rows and scale tiles (block
     // 0 writes the outputs' offsets).
+    // (split: the last kBookWarps warps lay out, the item warps join at the block barrier after the scan)
     __shared__ int s_shared_lo, s_shared_n, s_failed;
-    if (threadIdx.x == 0) {
+    if (lays_out && Team::tid() == 0) {
         s_shared_lo = sh ? shared_lo(ep, N) : 0;
         s_shared_n = sh ? shared_hi(ep, N) - shared_lo(ep, N) : 0;
     }
@@ -326,7 +376,15 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
     char* layout = smem;
     if constexpr (kBook) {
         book = small_book(ep, smem);
-        local_book(ep, a, book, prepare);
+        if constexpr (kMaySplit) {
+            if (lays_out) {
+                local_book<Team>(ep, a, book, plan);
+            } else {
+                prepare();
+            }
+        } else {
+            local_book<Team>(ep, a, book, prepare);
+        }
         layout = smem + small_book_bytes(ep);
     }
     unsigned* s_offsets = reinterpret_cast<unsigned*>(layout);
@@ -345,7 +403,8 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
     };
     __shared__ unsigned s_tiles_end;  // (fp4) the scale tiles used
     note_failed(failed == kStatusTimeout, &s_failed);
-    local_scan_groups<FMT>(ep, s_shared_n, count_of, s_offsets, s_tiles, &s_tiles_end);
+    if (lays_out) local_scan_groups<FMT, Team>(ep, s_shared_n, count_of, s_offsets, s_tiles, &s_tiles_end);
+    if (kMaySplit) __syncthreads();  // the item warps join: the layout and s_failed are the block's
     if (kBook && s_failed) return;  // (nothing stored yet)
     if (blockIdx.x == 0) {
         for (int g = threadIdx.x; g <= G; g += blockDim.x) {
@@ -412,7 +471,7 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
         if constexpr (kFromX) {
             payload = reinterpret_cast<const uint8_t*>(x_row);
         } else {
-            if (!(kEncodedEarly && prepared))
+            if (!(early && prepared))
                 encode_chunk<FMT, T>(x_row, c_lo, c_hi, H, s_payload, s_scales, a.global_scale, lane);
             payload = s_payload;
         }
@@ -517,7 +576,7 @@ __device__ void dispatch_local_large(const EPParams& ep, const DispatchArgs& a, 
     local_count(ep, a, local_hist(ep, parity), s_count);
     blocks_arrive(ctr + C_LOCAL_COUNTED + parity);
     // (the placement starts its first items, then waits here)
-    dispatch_local<FMT, T, false>(ep, a, smem, parity, [&]() {
+    dispatch_local<FMT, T, false, false>(ep, a, smem, parity, [&]() {
         if (!blocks_wait(ep, ctr + C_LOCAL_COUNTED + parity, static_cast<int>(gridDim.x), K_DISPATCH_SEND, &s_ok))
             return false;
         if (blockIdx.x == 0 && threadIdx.x == 0) ctr[C_LOCAL_GEN] = s_gen + 1;  // (the next launch reads it)
