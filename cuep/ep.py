@@ -399,7 +399,7 @@ class _Host:
     __slots__ = ("names", "orders", "launches", "hidden", "top_k", "max_tokens", "capacity", "fmt", "cdt",
                  "combine_suffix", "where", "views", "one_rank", "small", "chunks", "combine_chunks",
                  "offsets_smem", "results", "plans", "combine_names", "combine_wide", "devices", "x_dtypes", "cdts",
-                 "ipc", "recv_name", "single", "status", "torch_results", "torch_views")
+                 "split_fits", "ipc", "recv_name", "single", "status", "torch_results", "torch_views")
 
     def __init__(self, buf: Buffer):
         cfg = buf.cfg
@@ -426,6 +426,9 @@ class _Host:
         self.where = f"(cfg.combine_dtype={cfg.combine_dtype!r})"
         # a one-rank group's fused calls take the one-rank kernels (a small round or a larger one, any format)
         self.one_rank, self.small = cfg.n_ranks == 1, cfg.small_batch_tokens
+        # per N <= min(small, _SPLIT_TOKENS): whether a small round that encodes may take the split layout's kernel
+        self.split_fits = _split_fits(buf, cfg.hidden, self.small, self.fmt != "bf16", cfg.top_k) \
+            if self.one_rank and self.small else ()
         self.offsets_smem = _a16(4 * (cfg.n_groups + 1))  # the one-rank combine's copy of row_offsets
         # a Dispatched's first fields per rank (its persistent outputs and rank), the launches of each dispatch
         # route (_dispatch_plan), the combine kernel after a protocol / one-rank dispatch
@@ -499,10 +502,7 @@ def _dispatch_plan(buf: Buffer, host: _Host, i: int, ph: int, src: str, route: i
     launch = host.plans.get(key)
     if launch is None:
         threads, smem = _dispatch_launch(buf, staged=host.fmt != "bf16" or src != "bf16")
-        # (the split kernels lay out with kBookWarps warps beside at least as many: a block cut to fewer warps by
-        # a wide row's staging takes the plain small round's kernel)
-        kind = ("", "local_", "local_large_", "local_split_")[
-            1 if route == 3 and threads // 32 < 2 * _SPLIT_BOOK_WARPS else route]
+        kind = ("", "local_", "local_large_", "local_split_")[route]
         launch = host.plans[key] = _prepared(buf, i, f"dispatch.cu:cuep_dispatch_{kind}{host.fmt}_from_{src}",
                                              threads, smem)
         if route & 1 and src not in host.chunks:  # (small rounds: 1, 3)
@@ -620,12 +620,35 @@ _SPLIT_BOOK_WARPS = 8  # kBookWarps there: the warps that lay a split round out
 def _route(host: _Host, phases: int, n: int, src: str) -> int:
     """Which kernel a rank's dispatch launch takes: 0 the protocol; one rank's fused call
     (cuda_src/dispatch/local.cuh) 1 a small round (n <= small_batch_tokens), 2 a larger one, 3 a small round laid
-    out split (it encodes: not bf16 from bf16; n <= _SPLIT_TOKENS)."""
+    out split (it encodes: not bf16 from bf16; n <= _SPLIT_TOKENS; its items fit the item warps: _split_fits)."""
     if not (host.one_rank and phases == _PHASES_ALL):
         return 0
     if not (host.small and n <= host.small):
         return 2
-    return 3 if n <= _SPLIT_TOKENS and (host.fmt != "bf16" or src != "bf16") else 1
+    return 3 if n <= _SPLIT_TOKENS and (host.fmt != "bf16" or src != "bf16") and host.split_fits[n] else 1
+
+
+def _split_fits(buf: Buffer, hidden: int, small: int, quantized: bool, top_k: int) -> tuple:
+    """Per N = 0 .. min(small, _SPLIT_TOKENS): whether a small one-rank round of N tokens may take the split
+    layout's kernel. The block needs 2 x kBookWarps warps or more, and every item of the round's chunk plan
+    (:func:`_small_round_chunks`; item i on warp i // blocks) must lie on the warps before the last kBookWarps: only
+    those prepare their first item (its weights, its encode) while the others lay the round out."""
+    threads, _ = _dispatch_launch(buf, staged=True)  # (a round that encodes: staged, from bf16 or f32 alike)
+    warps, blocks = threads // 32, buf.num_sms
+    item_warps = (warps - _SPLIT_BOOK_WARPS) * blocks
+    return tuple(warps >= 2 * _SPLIT_BOOK_WARPS and _small_round_items(n, hidden, blocks, warps, quantized, top_k)
+                 <= item_warps for n in range(min(small, _SPLIT_TOKENS) + 1))
+
+
+def _small_round_items(n: int, hidden: int, blocks: int, warps: int, quantized: bool, top_k: int) -> int:
+    """The items (warps' work units) of a small one-rank round of ``n`` tokens, as the kernel reads its chunk plan
+    (take_chunk_plan; no plan: a span a chunk, at most kMaxChunks a token)."""
+    plan = _small_round_chunks(n, hidden, blocks, warps, quantized, top_k)
+    n_spans = ceil_div(hidden, _WARP_SPAN)
+    per, chunks = plan & 0xFFFF, (plan & ~(7 << _PARTS_SHIFT)) >> 16
+    if per < 1 or chunks < 1 or (chunks - 1) * per >= n_spans or chunks * per < n_spans:
+        return n * ceil_div(n_spans, ceil_div(n_spans, _MAX_CHUNKS))  # (the kernel's fallback: no parts either)
+    return n * chunks << (plan >> _PARTS_SHIFT & 7)
 
 
 def _with_one_call(phases: int) -> int:

@@ -599,17 +599,58 @@ def test_dispatch_route_by_round():
     own kernel; and each route's kernel is one dispatch.cu defines."""
     import re
 
-    host = types.SimpleNamespace(one_rank=True, small=128, fmt="nvfp4")
+    fits = (True,) * 33
+    host = types.SimpleNamespace(one_rank=True, small=128, fmt="nvfp4", split_fits=fits)
     all_phases = ep._PHASES_ALL
     assert [ep._route(host, all_phases, n, "bf16") for n in (0, 1, 32, 33, 128, 129)] == [3, 3, 3, 1, 1, 2]
     assert ep._route(host, all_phases & ~ep.PHASE_RECV, 1, "bf16") == 0
     assert ep._route(types.SimpleNamespace(one_rank=False, small=128, fmt="nvfp4"), all_phases, 1, "bf16") == 0
-    bf16 = types.SimpleNamespace(one_rank=True, small=128, fmt="bf16")
+    bf16 = types.SimpleNamespace(one_rank=True, small=128, fmt="bf16", split_fits=fits)
     assert ep._route(bf16, all_phases, 1, "bf16") == 1 and ep._route(bf16, all_phases, 1, "f32") == 3
     assert ep._route(types.SimpleNamespace(one_rank=True, small=0, fmt="fp8"), all_phases, 1, "bf16") == 2
+    some = types.SimpleNamespace(one_rank=True, small=16, fmt="fp8", split_fits=(True,) * 9 + (False,) * 8)
+    assert [ep._route(some, all_phases, n, "bf16") for n in (0, 8, 9, 16, 17)] == [3, 3, 1, 1, 2]
     src = (_kernels.SRC_DIR / "dispatch.cu").read_text()
     split = set(re.findall(r"^CUEP_DISPATCH_LOCAL_SPLIT\((\w+), (\w+),", src, re.M))
     assert split == {(f, s) for f in ("bf16", "fp8", "nvfp4", "mxfp4") for s in ("bf16", "f32")} - {("bf16", "bf16")}
+
+
+def _items_by_kernel(plan: int, n: int, hidden: int) -> int:
+    """A small round's item count as dispatch_local's plan() works it out from the packed plan (take_chunk_plan,
+    else a span a chunk up to kMaxChunks a token, no parts), written out separately from ep._small_round_items."""
+    spans_total = -(-hidden // 256)
+    p, c = plan & 0xFFFF, (plan & ~(7 << 28)) >> 16
+    if 1 <= p and 1 <= c and (c - 1) * p < spans_total <= c * p:
+        return n * c * (1 << ((plan >> 28) & 7))
+    per = -(-spans_total // 255)
+    return n * -(-spans_total // per)
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("hidden", [1024, 7168, 12288, 16384, 32768])
+@pytest.mark.parametrize("blocks,warps", [(132, 16), (114, 16), (16, 16), (2, 16), (132, 12), (132, 8)])
+def test_split_fits_keeps_items_off_the_layout_warps(quantized, hidden, blocks, warps):
+    """ep._split_fits: a small round takes the split layout's kernel only if every item of its chunk plan lands on
+    a warp below the last 8 (item i on warp i // blocks: those alone prepare their first item's weights and encode)
+    and the block has 16 warps or more. The decode shape (H = 7168, 132 or 114 SMs, 16 warps) splits at every
+    N <= 32; H = 12288 at N = 32 has 1536 items, more than 8 x 132: not split."""
+    buf = object.__new__(Buffer)
+    buf.num_sms, buf._launch_cache = blocks, {("dispatch", True): (32 * warps, 4096)}
+    fits = ep._split_fits(buf, hidden, 128, quantized, 8)
+    assert len(fits) == ep._SPLIT_TOKENS + 1
+    assert ep._split_fits(buf, hidden, 5, quantized, 8) == fits[:6]  # small_batch_tokens < 32: up to it
+    for n, ok in enumerate(fits):
+        plan = ep._small_round_chunks(n, hidden, blocks, warps, quantized, 8)
+        items = _items_by_kernel(plan, n, hidden)
+        assert ep._small_round_items(n, hidden, blocks, warps, quantized, 8) == items
+        last_warp = (items - 1) // blocks if items else -1
+        assert ok == (warps >= 16 and last_warp < warps - 8), (n, items, last_warp)
+    if warps < 16:
+        assert not any(fits)
+    if hidden == 7168 and blocks >= 114 and warps == 16:
+        assert all(fits)
+    if hidden == 12288 and blocks == 132 and warps == 16:
+        assert fits[1] and not fits[32]
 
 
 @pytest.mark.parametrize("quantized", [False, True])

@@ -166,6 +166,29 @@ def test_local_rounds_float32_combine(shared, rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "bf16"])
+def test_split_layout_only_where_items_fit(fmt, rng):
+    """A small round whose items would reach the last 8 warps (they lay the round out instead of preparing a first
+    item) takes the plain kernel (cuep/ep.py _split_fits): H = 12288 at N = 32 (1536 items, more than 8 x 132
+    warps) and a grid of 2 blocks at N = 32; N = 1 still splits. Weights at dispatch (a prepared item's), each
+    round against the reference; bf16 from float32 (the split kernels encode it too)."""
+    for hidden, num_sms in ((12288, None), (1024, 2)):
+        cfg = cuep.EPConfig(hidden=hidden, top_k=8, n_experts=32, max_tokens_per_rank=32, n_gpus_per_node=1,
+                            small_batch_tokens=32, dispatch_format=fmt)
+        buf = cuep.Buffer(cuep.init([0]), cfg, timeout_s=5.0, num_sms=num_sms)
+        kw = {"dtype": np.dtype(np.float32)} if fmt == "bf16" else {}
+        for n in (1, 32, 5, 1):
+            run_round(buf, cfg, rng, [n], weights_at="dispatch", **kw)
+        fits = buf._launch_cache["host"].split_fits
+        if hidden == 12288 and buf.num_sms < 132:
+            buf.close()
+            continue  # (a smaller GPU: the item counts differ; the rounds above are still checked)
+        assert fits[1] and not fits[32]
+        assert split_launches(buf) == 1 and local_launches(buf) == 1
+        buf.close()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
 def test_local_rounds_other_shapes(fmt, rng):
     # top_k = 1 and 2, many experts with few tokens each (most groups empty), a wide row (several chunks per token),

@@ -327,16 +327,15 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
     constexpr bool kPrepares = kBook || kEncodedEarly;
     // Split layout (kSplit): in a small round that encodes (not bf16 from bf16) of at most kSplitTokens tokens, the
     // last kBookWarps warps lay the round out among themselves (LastWarpsTeam: their own barrier) while the others
-    // encode their first item (the host's plan leaves a quantized round's items on the first warps: at H = 7168 on 132
-    // SMs, at most 7 a block; a team warp with an item would encode it in step 3), and the block meets once the
-    // layout is built. (Otherwise the item warps only prefetch their chunk during the layout and encode it after:
-    // 0.5-0.7 us of an N = 1 round, fp8 / nvfp4.) H200 A/B against the plain kernel: N = 1 .. 32 fp8 1-6%, nvfp4 /
-    // mxfp4 7-10% faster, cold and warm. Not taken: larger rounds, whose book and encodes are longer (5-11% slower:
-    // the book gets half the warps and shares the issue slots with the encodes); the choice made at run time in
-    // one kernel body (every larger small round 4-5% slower). The teams are static (LayoutTeam): the kernels that
-    // never split compile exactly as without this option.
-    // (The host launches these kernels only with at least 2 x kBookWarps warps a block: cuep/ep.py
-    // _dispatch_plan.)
+    // encode their first item (the host takes these kernels only when every item of the round lies on those warps,
+    // cuep/ep.py _split_fits: a team warp's first item would have no weights loaded; at H = 7168 on 132 SMs a
+    // decode round has at most 7 items a block), and the block meets once the layout is built. (Otherwise the item
+    // warps only prefetch their chunk during the layout and encode it after: 0.5-0.7 us of an N = 1 round, fp8 /
+    // nvfp4.) H200 A/B against the plain kernel: N = 1 .. 32 fp8 1-6%, nvfp4 / mxfp4 7-10% faster, cold and warm.
+    // Not taken: larger rounds, whose book and encodes are longer (5-11% slower: the book gets half the warps and
+    // shares the issue slots with the encodes); the choice made at run time in one kernel body (every larger small
+    // round 4-5% slower). The teams are static (LayoutTeam): the kernels that never split compile exactly as
+    // without this option.
     constexpr bool kMaySplit = kSplit && kBook && !kFromX;
     constexpr int kBookWarps = 8;
     using Team = typename LayoutTeam<kMaySplit, kBookWarps>::type;
