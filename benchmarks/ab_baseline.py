@@ -15,14 +15,15 @@ at first use; every kernel file of both packages is compiled first, in parallel 
 cache (``--no-precompile``: serially at first use).
 
 Cases, all on GPU ``--device`` (default 0), H = 7168, K = 8, E = 256, max_tokens_per_rank = max(``--tokens``),
-combine bf16: for each ``--ranks`` R (default 1 4) and ``--formats`` (default all four) a pair of Buffers, baseline's
-and new's, alive together; R = 1 is one real rank (every expert local), R > 1 is R simulated ranks sharing the GPU
-(``cuep.init([dev] * R)``; a round runs phase by phase, rank by rank, so those times mean little, but base and new
-must agree). For each ``--tokens`` N (default 128 4096; the default small-round threshold min(T, 256) makes 128 a
-staged decode round and 4096 a direct one): random bf16 tokens (never zeros), K distinct random experts per token,
-random float32 weights, the same inputs for both packages (``cuep.bench.cases.make_inputs``; the calls rotate among
-``--input-sets`` sets). Ops: ``dispatch`` (fused ``cuep.dispatch`` with the weights) and ``combine`` (fused
-``cuep.combine`` with the weights given at dispatch: partial sums; timed after an untimed dispatch).
+combine bf16: for each ``--ranks`` R (default 1 4) and ``--formats`` (default all four) a pair of Buffers,
+baseline's and new's, alive together; R = 1 is one real rank (every expert local), R > 1 is R simulated ranks
+sharing the GPU (``cuep.init([dev] * R)``; a round runs phase by phase, rank by rank, so those times mean little,
+but base and new must agree). For each ``--tokens`` N (default 128 4096; the default small-round threshold min(T,
+256) makes 128 a staged decode round and 4096 a direct one): random bf16 tokens (never zeros; ``--x-dtype float32``:
+the same values as float32), K distinct random experts per token, random float32 weights, the same inputs for both
+packages (``cuep.bench.cases.make_inputs``; the calls rotate among ``--input-sets`` sets). Ops: ``dispatch`` (fused
+``cuep.dispatch`` with the weights) and ``combine`` (fused ``cuep.combine`` with the weights given at dispatch:
+partial sums; timed after an untimed dispatch).
 
 Correctness, once per case before timing: new's dispatch must equal baseline's (row_offsets, expert_ids,
 scales_offsets identical; per rank the same rows as a multiset keyed by group, src_info and the row's bytes and
@@ -709,7 +710,8 @@ def run(args, pkgs: dict, base_desc: str, base_parent: Path) -> int:
             devices = [dev] * ranks
             groups = {lab: pkgs[lab].init(devices) for lab in LABELS}
             inputs = {n: bcases.make_inputs(devices, n, HIDDEN, TOP_K, N_EXPERTS, n_sets=args.input_sets,
-                                            seed=args.seed + 7919 * ranks + n) for n in args.tokens}
+                                            seed=args.seed + 7919 * ranks + n, x_dtype=args.x_dtype)
+                      for n in args.tokens}
             for fmt in args.formats:
                 cfgs, text = mems[(ranks, fmt)]
                 bufs, expert_out, runners, rn = {}, [], None, None
@@ -822,6 +824,7 @@ def report(doc: dict, results: dict, checks: dict, args, out_dir: Path) -> None:
               f"median CUDA-event us over {n_rounds} rounds"
               + (f" ({len(passes)} processes, kernels loaded base first / new first)" if passes else "")
               + f" x {args.repeats} calls; cold = L2 flushed"
+              + ("; x float32" if args.x_dtype == "float32" else "")
               + ("" if all(gated.values()) else " (some measurements ungated)")
               + ("; R > 1: simulated ranks on one GPU" if any(r > 1 for r in args.ranks) else ""))
     table = format_table(rows, header)
@@ -867,7 +870,8 @@ def child_argv(args, base_parent: Path, base_desc: str, load_first: str, out: Pa
     flag = lambda name, on: f"--{name}" if on else f"--no-{name}"  # noqa: E731
     return [sys.executable, str(Path(__file__).resolve()), "--child", "--base-parent", str(base_parent),
             "--base-desc", base_desc, "--formats", *args.formats, "--tokens", *map(str, args.tokens),
-            "--ranks", *map(str, args.ranks), "--ops", *args.ops, "--repeats", str(args.repeats),
+            "--ranks", *map(str, args.ranks), "--ops", *args.ops, "--x-dtype", args.x_dtype,
+            "--repeats", str(args.repeats),
             "--rounds", str(args.rounds), "--warmup", str(args.warmup), flag("warm", args.warm),
             flag("gate", args.gate), "--input-sets", str(args.input_sets), "--seed", str(args.seed),
             "--tol", str(args.tol), "--timeout-s", str(args.timeout_s), "--device", str(args.device),
@@ -920,6 +924,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks", nargs="+", type=int, default=[1, 4],
                    help="ranks per case: 1 real, more simulated on one GPU (default 1 4)")
     p.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
+    p.add_argument("--x-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="dtype of the dispatched tokens x (float32: the kernels that encode from float32; the same "
+                        "values either way)")
     p.add_argument("--repeats", type=int, default=30, help="timed calls per op, package and round (default 30)")
     p.add_argument("--rounds", type=int, default=6, help="alternating base/new rounds per pass; even, so each side "
                                                           "goes first equally often (default 6)")

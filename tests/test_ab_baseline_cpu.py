@@ -203,10 +203,11 @@ def test_merge_passes():
 
 def test_child_argv_round_trips():
     args = ab.parse_args(["--base", "HEAD", "--formats", "fp8", "--tokens", "64", "--ranks", "2", "--no-warm",
-                          "--rounds", "2"])
+                          "--rounds", "2", "--x-dtype", "float32"])
     argv = ab.child_argv(args, Path("/tmp/x"), "HEAD = abc", "new", Path("/tmp/o"))
     child = ab.parse_args(argv[2:])
     assert child.child and child.passes == 1 and child.load_first == "new" and not child.precompile
-    for name in ("formats", "tokens", "ranks", "ops", "repeats", "rounds", "warmup", "warm", "gate", "input_sets",
-                 "seed", "tol", "timeout_s", "device", "order", "rebuild"):
+    assert ab.parse_args(["--base", "HEAD"]).x_dtype == "bfloat16"
+    for name in ("formats", "tokens", "ranks", "ops", "x_dtype", "repeats", "rounds", "warmup", "warm", "gate",
+                 "input_sets", "seed", "tol", "timeout_s", "device", "order", "rebuild"):
         assert getattr(child, name) == getattr(args, name), name

@@ -88,9 +88,13 @@ def host_routing(n_ranks: int, n_tokens: int, top_k: int, n_experts: int, *, n_s
 
 
 def make_inputs(devices: list[int], n_tokens: int, hidden: int, top_k: int, n_experts: int, *, n_sets: int = 2,
-                seed: int = 0) -> Inputs:
-    """Draw ``n_sets`` input sets for every device (see the module docstring)."""
+                seed: int = 0, x_dtype: str = "bfloat16") -> Inputs:
+    """Draw ``n_sets`` input sets for every device (see the module docstring). ``x_dtype="float32"``: the same
+    tokens (bf16 values) as float32 arrays, for the kernels that encode from float32 input."""
     import cupy
+
+    if x_dtype not in ("bfloat16", "float32"):
+        raise ValueError(f"x_dtype={x_dtype!r} must be 'bfloat16' or 'float32'")
 
     ids_h, w_h = host_routing(len(devices), n_tokens, top_k, n_experts, n_sets=n_sets, seed=seed)
     inp = Inputs(n_tokens, hidden, top_k, n_experts, list(devices), ids_h, w_h)
@@ -99,7 +103,10 @@ def make_inputs(devices: list[int], n_tokens: int, hidden: int, top_k: int, n_ex
         for r, dev in enumerate(devices):
             with cupy.cuda.Device(dev):
                 gen = cupy.random.default_rng(seed * 1000003 + k * 101 + r)
-                xs.append(random_bf16(gen, (n_tokens, hidden)))
+                x = random_bf16(gen, (n_tokens, hidden))
+                if x_dtype == "float32":  # exact: a bf16 value is the high half of its float32
+                    x = (x.view(cupy.uint16).astype(cupy.uint32) << 16).view(cupy.float32)
+                xs.append(x)
                 ids.append(cupy.asarray(ids_h[k][r]))
                 ws.append(cupy.asarray(w_h[k][r]))
         inp.x.append(xs)
