@@ -183,8 +183,11 @@ def test_split_layout_only_where_items_fit(fmt, rng):
         if hidden == 12288 and buf.num_sms < 132:
             buf.close()
             continue  # (a smaller GPU: the item counts differ; the rounds above are still checked)
-        assert fits[1] and not fits[32]
-        assert split_launches(buf) == 1 and local_launches(buf) == 1
+        if fmt == "bf16" and hidden == 12288:  # a float32 row's staging (24 KiB) leaves 9 warps a block: no split
+            assert not any(fits) and split_launches(buf) == 0 and local_launches(buf) == 1
+        else:
+            assert fits[1] and not fits[32]
+            assert split_launches(buf) == 1 and local_launches(buf) == 1
         buf.close()
 
 
