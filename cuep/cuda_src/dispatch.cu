@@ -118,7 +118,8 @@ CUEP_EACH_DISPATCH(CUEP_DISPATCH)
 // The one-rank rounds (dispatch/local.cuh), kernels of their own so that neither path's registers limit the other's.
 // cuep/ep.py launches them for a fused call when the group is one rank: a small round (cuep_dispatch_local_*) or a
 // larger one (cuep_dispatch_local_large_*), one launch each; a small round that encodes, of at most kSplitTokens
-// tokens, laid out split (cuep_dispatch_local_split_*: never bf16 from bf16, whose copy is the plain one's).
+// tokens whose items fit the item warps (cuep/ep.py _split_fits), laid out split (cuep_dispatch_local_split_*:
+// never bf16 from bf16, whose copy is the plain one's).
 #define CUEP_LOCAL_KERNEL(NAME)                                                                              \
     extern "C" __global__ void __launch_bounds__(cuep::kDispatchThreads, 1)                                  \
         NAME(const __grid_constant__ cuep::DispatchParams params)
