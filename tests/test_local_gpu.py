@@ -36,12 +36,9 @@ def split_launches(buf) -> int:
 
 
 def splits(buf) -> bool:
-    """Whether this buffer's small rounds that encode take the split layout's kernels: the block has the warps for
-    it (cuep/ep.py _dispatch_plan)."""
-    from cuep import ep
-
-    threads, _ = ep._dispatch_launch(buf, staged=True)
-    return threads // 32 >= 2 * ep._SPLIT_BOOK_WARPS
+    """Whether any small round of this buffer that encodes may take the split layout's kernels (cuep/ep.py
+    _split_fits: the block has the warps for it and the round's items fit the others)."""
+    return any(buf._launch_cache["host"].split_fits)
 
 
 NARROW, WIDE, F32 = "cuep_combine_local_bf16", "cuep_combine_local_wide_bf16", "cuep_combine_local_f32"

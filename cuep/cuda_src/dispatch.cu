@@ -123,21 +123,19 @@ CUEP_EACH_DISPATCH(CUEP_DISPATCH)
 #define CUEP_LOCAL_KERNEL(NAME)                                                                              \
     extern "C" __global__ void __launch_bounds__(cuep::kDispatchThreads, 1)                                  \
         NAME(const __grid_constant__ cuep::DispatchParams params)
-#define CUEP_DISPATCH_LOCAL(FMT_NAME, SRC_NAME, FMT, T)                                                      \
-    CUEP_LOCAL_KERNEL(cuep_dispatch_local_##FMT_NAME##_from_##SRC_NAME) {                                    \
+// A small round's kernel, plain (KIND local_, SPLIT false) or laid out split (local_split_, true).
+#define CUEP_DISPATCH_LOCAL_SMALL(KIND, SPLIT, FMT_NAME, SRC_NAME, FMT, T)                                   \
+    CUEP_LOCAL_KERNEL(cuep_dispatch_##KIND##FMT_NAME##_from_##SRC_NAME) {                                    \
         extern __shared__ __align__(16) char smem[];                                                         \
         const cuep::DispatchArgs call = params.call;                                                         \
         /* (the failed flag is checked inside, once the layout is built: its load then costs no latency) */     \
         if (cuep::local_round(params.ep, call.phases) && cuep::small_round(params.ep, call.num_tokens))       \
-            cuep::dispatch_local<cuep::FMT, T, true, false>(params.ep, call, smem, 0, [] { return true; });   \
+            cuep::dispatch_local<cuep::FMT, T, true, SPLIT>(params.ep, call, smem, 0, [] { return true; });   \
     }
+#define CUEP_DISPATCH_LOCAL(FMT_NAME, SRC_NAME, FMT, T)                                                      \
+    CUEP_DISPATCH_LOCAL_SMALL(local_, false, FMT_NAME, SRC_NAME, FMT, T)
 #define CUEP_DISPATCH_LOCAL_SPLIT(FMT_NAME, SRC_NAME, FMT, T)                                                \
-    CUEP_LOCAL_KERNEL(cuep_dispatch_local_split_##FMT_NAME##_from_##SRC_NAME) {                              \
-        extern __shared__ __align__(16) char smem[];                                                         \
-        const cuep::DispatchArgs call = params.call;                                                         \
-        if (cuep::local_round(params.ep, call.phases) && cuep::small_round(params.ep, call.num_tokens))       \
-            cuep::dispatch_local<cuep::FMT, T, true, true>(params.ep, call, smem, 0, [] { return true; });    \
-    }
+    CUEP_DISPATCH_LOCAL_SMALL(local_split_, true, FMT_NAME, SRC_NAME, FMT, T)
 #define CUEP_DISPATCH_LOCAL_LARGE(FMT_NAME, SRC_NAME, FMT, T)                                                \
     CUEP_LOCAL_KERNEL(cuep_dispatch_local_large_##FMT_NAME##_from_##SRC_NAME) {                              \
         extern __shared__ __align__(16) char smem[];                                                         \
