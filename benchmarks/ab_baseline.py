@@ -289,38 +289,51 @@ def check_module_origins(base_parent: Path) -> list[str]:
 
 # ---- kernels compiled in parallel ----------------------------------------------------------------------------------
 _COMPILE = ("import importlib, sys; sys.path.insert(0, sys.argv[1]); "
-            "importlib.import_module(sys.argv[2] + '._kernels').module(sys.argv[3])")
+            "k = importlib.import_module(sys.argv[2] + '._kernels'); "
+            "k.module(sys.argv[3], part=sys.argv[4]) if len(sys.argv) > 4 else k.module(sys.argv[3])")
 
 
-def precompile(pkgs: dict, jobs: int, timeout_s: float = 1200.0) -> None:
-    """Compile every kernel file of each package in its own subprocess (``jobs`` at a time) through the package's
-    own loader, which fills CuPy's disk cache: the first use in this process then loads the binary. Best effort: a
-    failure is reported and the kernel is compiled again at first use (where a real error then surfaces)."""
+def compile_units(kernels, formats=None) -> list[tuple[str, str | None]]:
+    """The (file, part) units a package's loader ``kernels`` (its ``_kernels`` module) compiles at run time: its
+    kernel_units (a file in its PARTS a part at a time; parts of a format not in ``formats`` left out), or, for a
+    package older than parts, every file whole (None)."""
+    units = getattr(kernels, "kernel_units", None)
+    if units is None:
+        return [(f, None) for f in kernels.kernel_files()]
+    return [(f, p) for f, p in units() if p is None or formats is None or p in formats]
+
+
+def precompile(pkgs: dict, jobs: int, timeout_s: float = 1200.0, formats=None) -> None:
+    """Compile every kernel unit (:func:`compile_units`: a file, or a part of one) of each package in its own
+    subprocess (``jobs`` at a time) through the package's own loader, which fills CuPy's disk cache: the first use
+    in this process then loads the binary. Best effort: a failure is reported and the kernel is compiled again at
+    first use (where a real error then surfaces)."""
     if os.environ.get("CUPY_CACHE_IN_MEMORY", "0") not in ("", "0"):
         log("precompile skipped: CUPY_CACHE_IN_MEMORY is set (nothing would reach the disk cache)")
         return
     todo = []
     for label, (mod, path_entry) in pkgs.items():
         try:
-            files = importlib.import_module(mod.__name__ + "._kernels").kernel_files()
+            units = compile_units(importlib.import_module(mod.__name__ + "._kernels"), formats)
         except Exception as e:  # noqa: BLE001
             log(f"precompile of {label} skipped ({type(e).__name__}: {e})")
             continue
-        files.sort(key=lambda f: (not f.startswith(("dispatch", "combine")), f))  # the long ones first
-        todo += [(label, mod.__name__, str(path_entry), f) for f in files]
+        units.sort(key=lambda u: (not u[0].startswith(("dispatch", "combine")), u[1] is not None, u))  # long first
+        todo += [(label, mod.__name__, str(path_entry), u) for u in units]
     if not todo:
         return
     env = dict(os.environ, CUEP_LOG="0")
-    log(f"precompiling {len(todo)} kernel files of {', '.join(pkgs)} in up to {jobs} processes "
+    log(f"precompiling {len(todo)} kernel units of {', '.join(pkgs)} in up to {jobs} processes "
         f"(CuPy disk cache) ...")
     t0 = time.perf_counter()
     waiting, running, done = list(todo), [], {label: [] for label in pkgs}
     while waiting or running:
         while waiting and len(running) < jobs:
-            label, name, entry, f = waiting.pop(0)
+            label, name, entry, (f, part) = waiting.pop(0)
             err_file = tempfile.TemporaryFile()
-            p = subprocess.Popen([sys.executable, "-c", _COMPILE, entry, name, f], env=env, cwd=str(ROOT),
-                                 stdout=subprocess.DEVNULL, stderr=err_file)
+            p = subprocess.Popen([sys.executable, "-c", _COMPILE, entry, name, f, *([part] if part else [])],
+                                 env=env, cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=err_file)
+            f = f if part is None else f"{f}[{part}]"
             running.append((p, err_file, label, f, time.perf_counter()))
         time.sleep(0.2)
         for item in list(running):
@@ -343,7 +356,7 @@ def precompile(pkgs: dict, jobs: int, timeout_s: float = 1200.0) -> None:
                 log(f"precompile {label} {f} failed (compiled again at first use): {err}")
     for label, items in done.items():
         if items:
-            log(f"{label} kernels compiled: {len(items)} files, {max(t for _, t, _ in items):.0f} s")
+            log(f"{label} kernels compiled: {len(items)} units, {max(t for _, t, _ in items):.0f} s")
 
 
 # ---- statistics and the table --------------------------------------------------------------------------------------
@@ -1004,7 +1017,7 @@ def main(argv=None) -> int:
             log("dry run: no GPU touched")
             return 0
         if args.precompile:
-            precompile({"base": (base, base_parent), "new": (new, ROOT)}, args.jobs)
+            precompile({"base": (base, base_parent), "new": (new, ROOT)}, args.jobs, formats=args.formats)
     except AbError as e:
         print(f"ab_baseline: {e}", file=sys.stderr)
         return 2

@@ -182,7 +182,7 @@ def child(args) -> int:
         eo = cupy.asarray(rng.standard_normal((cfg.capacity, H), np.float32).astype(bf16))
         print(f"[trace] {fmt}: compiling / loading the traced kernels", file=sys.stderr, flush=True)
         trace = cupy.ndarray((MAX_BLOCKS * SLOTS,), cupy.uint64,
-                             memptr=_kernels.module("dispatch.cu").get_global("cuep_trace_local"))
+                             memptr=_kernels.module("dispatch.cu", part=fmt).get_global("cuep_trace_local"))
         for n in args.tokens:
             small = n <= cfg.small_batch_tokens
             points, base = (small_points(args.items), 0) if small else (LARGE_POINTS, LARGE_BASE)

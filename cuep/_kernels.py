@@ -1,6 +1,8 @@
 """Compile and cache the CUDA C++ in ``cuep/cuda_src`` with ``cupy.RawModule``.
 
-One module per ``.cu`` file, compiled once per (file, device) and kept for the life of the process.
+One module per ``.cu`` file, compiled once per (file, device) and kept for the life of the process; a file listed
+in :data:`PARTS` is compiled in parts instead (one module per part, each holding the kernels of one wire format), so
+a program compiles only the formats it launches.
 CuPy's disk cache keys on the source string and options only, not on headers reached through ``-I``; the
 options therefore carry a hash of the whole ``cuda_src`` tree (``-DCUEP_SRC_HASH=...``), so editing a header
 recompiles every module. CuPy adds ``-arch=sm_XX`` of the device, ``--std=c++17`` and ``-ftz=true`` itself;
@@ -41,9 +43,9 @@ def source_hash() -> str:
 def compile_options(defines: tuple[str, ...] = ()) -> tuple[str, ...]:
     """The options cuep passes to ``cupy.RawModule`` (CuPy adds :data:`CUPY_IMPLICIT_OPTIONS` and -arch).
 
-    ``defines`` (``("NAME=VALUE", ...)``, each becoming ``-DNAME=VALUE``) builds a variant of a kernel's tuning
-    constants for a benchmark harness; the product always compiles with none. Nothing in the environment changes
-    what is compiled.
+    ``defines`` (``("NAME=VALUE", ...)``, each becoming ``-DNAME=VALUE``): the product passes only a part's
+    macro (:func:`part_defines`, which kernels a module holds, never how they compute); a benchmark harness may add
+    a variant of a kernel's tuning constants. Nothing in the environment changes what is compiled.
     """
     return ("--std=c++17", f"-I{SRC_DIR}", f"-DCUEP_SRC_HASH=0x{source_hash()}ULL", *(f"-D{d}" for d in defines))
 
@@ -53,10 +55,49 @@ def kernel_files() -> list[str]:
     return sorted(p.name for p in SRC_DIR.glob("*.cu"))
 
 
-def nvcc_command(filename: str, arch: str = "sm_90", out: str = "/dev/null") -> list[str]:
-    """The nvcc command that compiles ``filename`` like the runtime does, warnings as errors, and register spills
-    reported as warnings (``-warn-spills``), hence errors: no kernel may spill under the runtime's options."""
-    opts = list(compile_options())
+#: Kernel files the runtime compiles in parts: file -> (the macro prefix that picks a part, the parts). Part ``p``
+#: is the file compiled with ``-D<prefix>_<P>`` (upper case) and holds the kernels whose names carry ``_<p>_from_``:
+#: dispatch.cu's every kernel of one wire format, from either input dtype. A part compiles in about a quarter of the
+#: whole file's time (NVRTC, dispatch.cu: about 72 s whole on the H200 host). Compiled with no part's macro, the file
+#: holds every kernel (benchmark harnesses that read a traced copy's globals, tuning variants).
+PARTS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "dispatch.cu": ("CUEP_DISPATCH_FORMAT", ("bf16", "fp8", "nvfp4", "mxfp4")),
+}
+
+
+def part_defines(filename: str, part: str | None) -> tuple[str, ...]:
+    """The defines (``NAME`` / ``NAME=VALUE``) that compile ``part`` of ``filename``; () for the whole file."""
+    if part is None:
+        return ()
+    spec = PARTS.get(filename)
+    if spec is None or part not in spec[1]:
+        known = spec[1] if spec else ()
+        raise ValueError(f"{filename} has no part {part!r} (its parts: {', '.join(known) or 'none, it compiles whole'})")
+    return (f"{spec[0]}_{part.upper()}",)
+
+
+def part_of(filename: str, name: str) -> str | None:
+    """The part of ``filename`` that holds kernel ``name`` (None: the file compiles whole)."""
+    spec = PARTS.get(filename)
+    if spec is None:
+        return None
+    for part in spec[1]:
+        if f"_{part}_from_" in name:
+            return part
+    raise ValueError(f"kernel {name!r} of {filename} names none of its parts ({', '.join(spec[1])}): "
+                     f"its name must carry _<part>_from_")
+
+
+def kernel_units() -> list[tuple[str, str | None]]:
+    """Every (file, part) the runtime may compile: each part of a file in :data:`PARTS`, other files whole (None)."""
+    return [(f, p) for f in kernel_files() for p in (PARTS[f][1] if f in PARTS else (None,))]
+
+
+def nvcc_command(filename: str, arch: str = "sm_90", out: str = "/dev/null", part: str | None = None) -> list[str]:
+    """The nvcc command that compiles ``filename`` (its ``part``: :data:`PARTS`) like the runtime does, warnings as
+    errors, and register spills reported as warnings (``-warn-spills``), hence errors: no kernel may spill under the
+    runtime's options."""
+    opts = list(compile_options(part_defines(filename, part)))
     for o in CUPY_IMPLICIT_OPTIONS:
         if o not in opts:
             opts.append(o)
@@ -73,8 +114,9 @@ def nvrtc_include_options() -> tuple[str, ...]:
     return (*(f"-I{base / 'cupy' / '_cccl' / d}" for d in ("cub", "thrust", "libcudacxx")), f"-I{base}", f"-I{cuda}")
 
 
-def nvrtc_compile(filename: str, arch: str = "sm_90") -> tuple[bytes, str]:
-    """Compile ``cuda_src/<filename>`` with NVRTC, CuPy's runtime compiler, without a GPU: (cubin, log).
+def nvrtc_compile(filename: str, arch: str = "sm_90", part: str | None = None) -> tuple[bytes, str]:
+    """Compile ``cuda_src/<filename>`` (its ``part``: :data:`PARTS`) with NVRTC, CuPy's runtime compiler, without
+    a GPU: (cubin, log).
 
     Same source and options as :func:`module` (plus the flags CuPy adds itself). Raises RuntimeError with the
     compiler log on failure.
@@ -82,7 +124,8 @@ def nvrtc_compile(filename: str, arch: str = "sm_90") -> tuple[bytes, str]:
     from cupy_backends.cuda.libs import nvrtc
 
     prog = nvrtc.createProgram((SRC_DIR / filename).read_text(), filename, [], [])
-    opts = (*nvrtc_include_options(), *compile_options(), *CUPY_IMPLICIT_OPTIONS[1:], f"-arch={arch}")
+    opts = (*nvrtc_include_options(), *compile_options(part_defines(filename, part)), *CUPY_IMPLICIT_OPTIONS[1:],
+            f"-arch={arch}")
     try:
         nvrtc.compileProgram(prog, opts)
     except Exception as e:
@@ -95,17 +138,19 @@ _modules: dict[tuple, object] = {}
 _functions: dict[tuple, object] = {}
 
 
-def module(filename: str, name_expressions: tuple[str, ...] = (), defines: tuple[str, ...] = ()):
+def module(filename: str, name_expressions: tuple[str, ...] = (), defines: tuple[str, ...] = (),
+           part: str | None = None):
     """The ``cupy.RawModule`` of ``cuda_src/<filename>`` for the current device, compiled on first use.
 
-    ``name_expressions`` lists template instantiations to compile (``"kernel<int, 4>"``); pass the same tuple on
-    every call for one file (the first call's list is the one compiled). ``defines``: a benchmark variant's tuning
-    constants (:func:`compile_options`), cached apart from the product's build.
+    ``part``: one part of a file in :data:`PARTS` (None: the whole file). ``name_expressions`` lists template
+    instantiations to compile (``"kernel<int, 4>"``); pass the same tuple on every call for one file (the first
+    call's list is the one compiled). ``defines``: a benchmark variant's tuning constants (:func:`compile_options`),
+    cached apart from the product's build.
     """
     import cupy
 
     dev = cupy.cuda.Device().id
-    key = (filename, dev, tuple(defines))
+    key = (filename, part, dev, tuple(defines))
     mod = _modules.get(key)
     if mod is not None:
         return mod
@@ -115,27 +160,29 @@ def module(filename: str, name_expressions: tuple[str, ...] = (), defines: tuple
             path = SRC_DIR / filename
             if not path.is_file():
                 raise FileNotFoundError(f"no kernel file {filename!r} in {SRC_DIR}")
+            opts = compile_options((*part_defines(filename, part), *defines))
             code = path.read_text()
+            what = filename if part is None else f"{filename} [{part}]"
             t0 = time.perf_counter()
-            log.info("cuep: compiling %s for device %d ...", filename, dev)
-            mod = cupy.RawModule(code=code, options=compile_options(tuple(defines)),
-                                 name_expressions=list(name_expressions) or None)
+            log.info("cuep: compiling %s for device %d ...", what, dev)
+            mod = cupy.RawModule(code=code, options=opts, name_expressions=list(name_expressions) or None)
             mod.compile()
             log.info("cuep: %s ready on device %d in %.1f s (cached on disk for next time)",
-                     filename, dev, time.perf_counter() - t0)
+                     what, dev, time.perf_counter() - t0)
             _modules[key] = mod
     return mod
 
 
 def function(filename: str, name: str, name_expressions: tuple[str, ...] = (), defines: tuple[str, ...] = ()):
-    """A kernel of :func:`module` by name (cached: ``get_function`` builds a new object each call)."""
+    """A kernel of :func:`module` by name, from the part of the file that holds it (:func:`part_of`); cached:
+    ``get_function`` builds a new object each call."""
     import cupy
 
     dev = cupy.cuda.Device().id
     key = (filename, dev, name, tuple(defines))
     fn = _functions.get(key)
     if fn is None:
-        fn = module(filename, name_expressions, defines).get_function(name)
+        fn = module(filename, name_expressions, defines, part_of(filename, name)).get_function(name)
         _functions[key] = fn
     return fn
 

@@ -211,3 +211,18 @@ def test_child_argv_round_trips():
     for name in ("formats", "tokens", "ranks", "ops", "x_dtype", "repeats", "rounds", "warmup", "warm", "gate",
                  "input_sets", "seed", "tol", "timeout_s", "device", "order", "rebuild"):
         assert getattr(child, name) == getattr(args, name), name
+
+
+def test_compile_units_follow_each_packages_loader():
+    """This tree's loader compiles dispatch.cu a format at a time (only the formats the run measures); a baseline
+    older than parts compiles every file whole."""
+    from types import SimpleNamespace
+
+    from cuep import _kernels
+
+    units = ab.compile_units(_kernels, ["fp8"])
+    assert ("dispatch.cu", "fp8") in units and ("combine.cu", None) in units
+    assert not any(f == "dispatch.cu" and p != "fp8" for f, p in units)
+    assert ab.compile_units(_kernels) == _kernels.kernel_units()
+    old = SimpleNamespace(kernel_files=lambda: ["combine.cu", "dispatch.cu"])
+    assert ab.compile_units(old, ["fp8"]) == [("combine.cu", None), ("dispatch.cu", None)]

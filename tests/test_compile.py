@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import struct
 import subprocess
 
 import numpy as np
@@ -32,15 +33,72 @@ def test_there_are_kernel_files():
     assert _kernels.kernel_files(), "no .cu files in cuda_src"
 
 
-@pytest.mark.parametrize("filename", _kernels.kernel_files())
-def test_kernel_file_compiles_for_sm90(nvcc, filename, tmp_path):
-    cmd = _kernels.nvcc_command(filename, out=str(tmp_path / "k.cubin"))
+UNITS = _kernels.kernel_units()
+UNIT_IDS = [f if p is None else f"{f}[{p}]" for f, p in UNITS]
+
+
+def cubin_kernels(cubin: bytes) -> set[str]:
+    """The kernels of an ELF cubin: the names of its ``.text.<kernel>`` sections."""
+    shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
+    entsize, count, names_at = struct.unpack_from("<HHH", cubin, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * entsize) for i in range(count)]
+    strtab = headers[names_at][4]
+
+    def name(off: int) -> str:
+        return cubin[strtab + off:cubin.index(b"\0", strtab + off)].decode()
+
+    return {n[len(".text."):] for n in (name(h[0]) for h in headers) if n.startswith(".text.")}
+
+
+def expected_part_kernels(filename: str, part: str) -> set[str]:
+    """The kernels the runtime takes from one part (cuep/ep.py's names): dispatch.cu's, per format."""
+    assert filename == "dispatch.cu", "a new parted file needs its kernel list here"
+    names = set()
+    for src in ("bf16", "f32"):
+        names |= {f"cuep_dispatch_{part}_from_{src}", f"cuep_dispatch_local_{part}_from_{src}",
+                  f"cuep_dispatch_local_large_{part}_from_{src}"}
+        if (part, src) != ("bf16", "bf16"):  # (bf16 from bf16 has no split-layout kernel)
+            names.add(f"cuep_dispatch_local_split_{part}_from_{src}")
+    return names
+
+
+def check_unit_kernels(filename: str, part, cubin: bytes) -> None:
+    """A part holds exactly its kernels (each of which part_of sends to it); a whole file, at least one kernel."""
+    kernels = cubin_kernels(cubin)
+    assert kernels, f"{filename}: no kernels in the cubin"
+    if part is not None:
+        assert kernels == expected_part_kernels(filename, part), sorted(kernels)
+        assert {_kernels.part_of(filename, k) for k in kernels} == {part}
+
+
+@pytest.mark.parametrize("filename, part", UNITS, ids=UNIT_IDS)
+def test_kernel_file_compiles_for_sm90(nvcc, filename, part, tmp_path):
+    cmd = _kernels.nvcc_command(filename, out=str(tmp_path / "k.cubin"), part=part)
     cmd[0] = nvcc
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     msg = (res.stdout + res.stderr).strip()
     assert res.returncode == 0, f"{' '.join(cmd)}\n{msg}"
     assert "warning" not in msg.lower(), msg
-    assert (tmp_path / "k.cubin").stat().st_size > 0
+    check_unit_kernels(filename, part, (tmp_path / "k.cubin").read_bytes())
+
+
+def test_parts_cover_their_files():
+    """Every file in PARTS is compiled part by part (no unit compiles it whole), each part's macro is its own, and
+    a kernel name that names no part is refused with a message."""
+    for filename, (prefix, parts) in _kernels.PARTS.items():
+        assert [p for f, p in UNITS if f == filename] == list(parts)
+        assert [_kernels.part_defines(filename, p) for p in parts] == [(f"{prefix}_{p.upper()}",) for p in parts]
+        text = (_kernels.SRC_DIR / filename).read_text()
+        assert all(f"defined({prefix}_{p.upper()})" in text for p in parts)
+    assert _kernels.part_defines("dispatch.cu", None) == ()
+    assert _kernels.part_of("combine.cu", "cuep_combine_bf16") is None
+    assert _kernels.part_of("dispatch.cu", "cuep_dispatch_local_split_nvfp4_from_f32") == "nvfp4"
+    with pytest.raises(ValueError, match="names none of its parts"):
+        _kernels.part_of("dispatch.cu", "cuep_dispatch_whatever")
+    with pytest.raises(ValueError, match="no part 'fp16'"):
+        _kernels.part_defines("dispatch.cu", "fp16")
+    with pytest.raises(ValueError, match="compiles whole"):
+        _kernels.part_defines("combine.cu", "bf16")
 
 
 def _nvrtc_available() -> bool:
@@ -53,16 +111,16 @@ def _nvrtc_available() -> bool:
         return False
 
 
-@pytest.mark.parametrize("filename", _kernels.kernel_files())
-def test_kernel_file_compiles_with_nvrtc(filename):
+@pytest.mark.parametrize("filename, part", UNITS, ids=UNIT_IDS)
+def test_kernel_file_compiles_with_nvrtc(filename, part):
     """NVRTC is what CuPy uses at run time: it has no C++ standard library, so this catches what nvcc hides."""
     if not _nvrtc_available():
         if os.environ.get("CI"):
             pytest.fail("NVRTC not found: install the test extra (nvidia-cuda-nvrtc)")
         pytest.skip("NVRTC not found")
-    cubin, log = _kernels.nvrtc_compile(filename)
-    assert len(cubin) > 0
+    cubin, log = _kernels.nvrtc_compile(filename, part=part)
     assert "warning" not in log.lower(), log
+    check_unit_kernels(filename, part, cubin)
 
 
 def test_options_match_runtime():

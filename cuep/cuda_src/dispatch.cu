@@ -94,17 +94,45 @@ __device__ __forceinline__ void dispatch_kernel(const EPParams& ep, const Dispat
 
 }  // namespace cuep
 
+// The runtime compiles this file a wire format at a time (cuep/_kernels.py PARTS): -DCUEP_DISPATCH_FORMAT_<NAME>
+// keeps that format's kernels only (CUEP_IF_<name>); with no such macro the file holds every kernel.
+#if defined(CUEP_DISPATCH_FORMAT_BF16) || defined(CUEP_DISPATCH_FORMAT_FP8) || defined(CUEP_DISPATCH_FORMAT_NVFP4) || \
+    defined(CUEP_DISPATCH_FORMAT_MXFP4)
+#define CUEP_DISPATCH_ONE_FORMAT 1
+#endif
+#if !defined(CUEP_DISPATCH_ONE_FORMAT) || defined(CUEP_DISPATCH_FORMAT_BF16)
+#define CUEP_IF_bf16(...) __VA_ARGS__
+#else
+#define CUEP_IF_bf16(...)
+#endif
+#if !defined(CUEP_DISPATCH_ONE_FORMAT) || defined(CUEP_DISPATCH_FORMAT_FP8)
+#define CUEP_IF_fp8(...) __VA_ARGS__
+#else
+#define CUEP_IF_fp8(...)
+#endif
+#if !defined(CUEP_DISPATCH_ONE_FORMAT) || defined(CUEP_DISPATCH_FORMAT_NVFP4)
+#define CUEP_IF_nvfp4(...) __VA_ARGS__
+#else
+#define CUEP_IF_nvfp4(...)
+#endif
+#if !defined(CUEP_DISPATCH_ONE_FORMAT) || defined(CUEP_DISPATCH_FORMAT_MXFP4)
+#define CUEP_IF_mxfp4(...) __VA_ARGS__
+#else
+#define CUEP_IF_mxfp4(...)
+#endif
+
 // Every kernel takes one DispatchParams (ep/params.cuh) by value; cuep/params.py builds it. Each kernel family below
-// has one entry per (wire format, input dtype): CUEP_EACH_DISPATCH(X) calls X(format name, source name, format, T).
+// has one entry per (wire format, input dtype): CUEP_EACH_DISPATCH(X) calls X(format name, source name, format, T)
+// for the formats of this compile.
 #define CUEP_EACH_DISPATCH(X)                                                                                \
-    X(bf16, bf16, kFmtBf16, cuep::bf16_t)                                                                    \
-    X(bf16, f32, kFmtBf16, float)                                                                            \
-    X(fp8, bf16, kFmtFp8, cuep::bf16_t)                                                                      \
-    X(fp8, f32, kFmtFp8, float)                                                                              \
-    X(nvfp4, bf16, kFmtNvfp4, cuep::bf16_t)                                                                  \
-    X(nvfp4, f32, kFmtNvfp4, float)                                                                          \
-    X(mxfp4, bf16, kFmtMxfp4, cuep::bf16_t)                                                                  \
-    X(mxfp4, f32, kFmtMxfp4, float)
+    CUEP_IF_bf16(X(bf16, bf16, kFmtBf16, cuep::bf16_t))                                                      \
+    CUEP_IF_bf16(X(bf16, f32, kFmtBf16, float))                                                              \
+    CUEP_IF_fp8(X(fp8, bf16, kFmtFp8, cuep::bf16_t))                                                         \
+    CUEP_IF_fp8(X(fp8, f32, kFmtFp8, float))                                                                 \
+    CUEP_IF_nvfp4(X(nvfp4, bf16, kFmtNvfp4, cuep::bf16_t))                                                   \
+    CUEP_IF_nvfp4(X(nvfp4, f32, kFmtNvfp4, float))                                                           \
+    CUEP_IF_mxfp4(X(mxfp4, bf16, kFmtMxfp4, cuep::bf16_t))                                                   \
+    CUEP_IF_mxfp4(X(mxfp4, f32, kFmtMxfp4, float))
 
 // The protocol (cuep_dispatch_<format>_from_<source>).
 #define CUEP_DISPATCH(FMT_NAME, SRC_NAME, FMT, T)                                                            \
@@ -145,11 +173,11 @@ CUEP_EACH_DISPATCH(CUEP_DISPATCH)
     }
 CUEP_EACH_DISPATCH(CUEP_DISPATCH_LOCAL)
 // (every entry of CUEP_EACH_DISPATCH but bf16 from bf16)
-CUEP_DISPATCH_LOCAL_SPLIT(bf16, f32, kFmtBf16, float)
-CUEP_DISPATCH_LOCAL_SPLIT(fp8, bf16, kFmtFp8, cuep::bf16_t)
-CUEP_DISPATCH_LOCAL_SPLIT(fp8, f32, kFmtFp8, float)
-CUEP_DISPATCH_LOCAL_SPLIT(nvfp4, bf16, kFmtNvfp4, cuep::bf16_t)
-CUEP_DISPATCH_LOCAL_SPLIT(nvfp4, f32, kFmtNvfp4, float)
-CUEP_DISPATCH_LOCAL_SPLIT(mxfp4, bf16, kFmtMxfp4, cuep::bf16_t)
-CUEP_DISPATCH_LOCAL_SPLIT(mxfp4, f32, kFmtMxfp4, float)
+CUEP_IF_bf16(CUEP_DISPATCH_LOCAL_SPLIT(bf16, f32, kFmtBf16, float))
+CUEP_IF_fp8(CUEP_DISPATCH_LOCAL_SPLIT(fp8, bf16, kFmtFp8, cuep::bf16_t))
+CUEP_IF_fp8(CUEP_DISPATCH_LOCAL_SPLIT(fp8, f32, kFmtFp8, float))
+CUEP_IF_nvfp4(CUEP_DISPATCH_LOCAL_SPLIT(nvfp4, bf16, kFmtNvfp4, cuep::bf16_t))
+CUEP_IF_nvfp4(CUEP_DISPATCH_LOCAL_SPLIT(nvfp4, f32, kFmtNvfp4, float))
+CUEP_IF_mxfp4(CUEP_DISPATCH_LOCAL_SPLIT(mxfp4, bf16, kFmtMxfp4, cuep::bf16_t))
+CUEP_IF_mxfp4(CUEP_DISPATCH_LOCAL_SPLIT(mxfp4, f32, kFmtMxfp4, float))
 CUEP_EACH_DISPATCH(CUEP_DISPATCH_LOCAL_LARGE)
