@@ -14,10 +14,11 @@ from .config import EPConfig
 from .ep import Dispatched, combine, combine_async, combine_wait, dispatch, dispatch_async, dispatch_wait
 from .formats import FORMATS, Format, MessageLayout
 from .group import Group, init, init_distributed
+from ._kernels import compile_kernels
 from . import moe, ops, reference
 
 __version__ = "0.1.0"
 
 __all__ = ["EPConfig", "Buffer", "EPError", "Group", "init", "init_distributed", "dispatch", "dispatch_async",
            "dispatch_wait", "combine", "combine_async", "combine_wait", "Dispatched", "FORMATS", "Format",
-           "MessageLayout", "ops", "reference", "moe", "__version__"]
+           "MessageLayout", "compile_kernels", "ops", "reference", "moe", "__version__"]

@@ -128,6 +128,21 @@ def run_gpu(args) -> int:
     return 0 if all(r[4] == "yes" for r in rows_t) else 1
 
 
+def run_compile() -> int:
+    import cuep
+
+    t0 = time.perf_counter()
+    times = cuep.compile_kernels(device=0)
+    print(_table([(unit, f"{t:.1f}") for unit, t in times.items()], ("kernel unit", "s")))
+    print(f"{len(times)} kernel units ready in {time.perf_counter() - t0:.1f} s (CuPy's disk cache keeps them)")
+    return 0
+
+
+def _no_gpu_to_compile() -> int:
+    print("--compile needs an NVIDIA GPU: CuPy compiles for the device it finds (none here)", file=sys.stderr)
+    return 2
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m cuep", description=__doc__)
     p.add_argument("--format", default="bf16", choices=["bf16", "fp8", "nvfp4", "mxfp4"])
@@ -136,10 +151,15 @@ def main(argv=None) -> int:
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--tokens", type=int, default=256, help="tokens per rank")
     p.add_argument("--ranks", type=int, default=4, help="simulated ranks on the CPU")
+    p.add_argument("--compile", action="store_true",
+                   help="compile every kernel for GPU 0 (all formats, in parallel; CuPy's disk cache), then exit")
     args = p.parse_args(argv)
     import cupy
 
-    if cupy.cuda.is_available() and cupy.cuda.runtime.getDeviceCount() > 0:
+    has_gpu = cupy.cuda.is_available() and cupy.cuda.runtime.getDeviceCount() > 0
+    if args.compile:
+        return run_compile() if has_gpu else _no_gpu_to_compile()
+    if has_gpu:
         return run_gpu(args)
     print("No NVIDIA GPU found: running the NumPy reference on the CPU with "
           f"{args.ranks} simulated ranks instead.")

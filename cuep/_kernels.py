@@ -133,9 +133,18 @@ def nvrtc_compile(filename: str, arch: str = "sm_90", part: str | None = None) -
     return nvrtc.getCUBIN(prog), nvrtc.getProgramLog(prog)
 
 
-_lock = threading.Lock()
+_lock = threading.Lock()  # guards _unit_locks
+_unit_locks: dict[tuple, threading.Lock] = {}  # one per module key: different units compile at the same time
 _modules: dict[tuple, object] = {}
 _functions: dict[tuple, object] = {}
+
+
+def _unit_lock(key: tuple) -> threading.Lock:
+    with _lock:
+        lock = _unit_locks.get(key)
+        if lock is None:
+            lock = _unit_locks[key] = threading.Lock()
+    return lock
 
 
 def module(filename: str, name_expressions: tuple[str, ...] = (), defines: tuple[str, ...] = (),
@@ -154,7 +163,7 @@ def module(filename: str, name_expressions: tuple[str, ...] = (), defines: tuple
     mod = _modules.get(key)
     if mod is not None:
         return mod
-    with _lock:
+    with _unit_lock(key):  # (NVRTC releases the GIL: other units compile meanwhile, compile_kernels)
         mod = _modules.get(key)
         if mod is None:
             path = SRC_DIR / filename
@@ -171,6 +180,88 @@ def module(filename: str, name_expressions: tuple[str, ...] = (), defines: tuple
                      what, dev, time.perf_counter() - t0)
             _modules[key] = mod
     return mod
+
+
+#: The kernel files cuep's calls compile besides dispatch.cu's parts (bench.cu is cuep.bench's alone).
+RUNTIME_FILES = ("combine.cu",)
+OPS_FILES = ("quantize.cu", "silu.cu", "selftest.cu")
+
+
+def runtime_units(formats=None, ops: bool = True) -> list[tuple[str, str | None]]:
+    """The (file, part) units a program's calls compile: dispatch.cu's parts of ``formats`` (a name or a sequence
+    of them; None: all four), combine.cu, and with ``ops`` the files of :mod:`cuep.ops`. Longest first."""
+    known = PARTS["dispatch.cu"][1]
+    fmts = known if formats is None else (formats,) if isinstance(formats, str) else tuple(formats)
+    bad = [f for f in fmts if f not in known]
+    if bad or not fmts:
+        raise ValueError(f"formats: {bad or 'none given'} is not a dispatch wire format (cuep's: {', '.join(known)})")
+    files = RUNTIME_FILES + (OPS_FILES if ops else ())
+    units = [(f, p) for f, p in kernel_units() if (f == "dispatch.cu" and p in fmts) or (p is None and f in files)]
+    return sorted(units, key=lambda u: u[0] != "dispatch.cu")  # (stable: the parts, then the files by name)
+
+
+def unit_name(filename: str, part: str | None) -> str:
+    """``dispatch.cu[fp8]`` for a part, the file name for a whole file."""
+    return filename if part is None else f"{filename}[{part}]"
+
+
+def _compile_unit(unit: tuple[str, str | None], device: int) -> float:
+    import cupy
+
+    t0 = time.perf_counter()
+    with cupy.cuda.Device(device):
+        module(unit[0], part=unit[1])
+    return time.perf_counter() - t0
+
+
+def compile_kernels(formats=None, *, ops: bool = True, device: int | None = None,
+                    jobs: int | None = None) -> dict[str, float]:
+    """Compile cuep's kernels for one GPU before their first use, several at a time; seconds per unit.
+
+    Each kernel file compiles the first time a call needs it (dispatch.cu one wire format at a time: 10-16 s on an
+    H200 host, NVRTC), and the call waits. This compiles the units a program uses (:func:`runtime_units`) at once,
+    in ``jobs`` threads (NVRTC releases the GIL), and fills CuPy's disk cache, so that later processes only load
+    the binaries: run it before a notebook's first round, or in an image build (``python -m cuep --compile``).
+
+    Args:
+        formats: the dispatch wire formats to compile: a name, a sequence of names, or None for all four.
+        ops: also compile :mod:`cuep.ops`' kernels (quantize, fused SwiGLU, self-tests).
+        device: the GPU (None: the current device).
+        jobs: threads (None: one per CPU core, at most one per unit).
+
+    Returns:
+        ``{unit: seconds}``, units named ``dispatch.cu[fp8]``, ``combine.cu``, ... (about 0 for a unit this process
+        had already compiled).
+
+    Raises:
+        ValueError: an unknown format, before anything compiles.
+        RuntimeError: a unit failed to compile (the first one named, its compiler error chained), raised once the
+        other units are done; they stay compiled.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    units = runtime_units(formats, ops)
+    if device is None:
+        import cupy
+
+        device = cupy.cuda.Device().id
+    n = max(1, min(len(units), jobs if jobs is not None else (os.cpu_count() or 1)))
+    log.info("cuep: compiling %d kernel units for device %d, %d at a time ...", len(units), device, n)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=n, thread_name_prefix="cuep-compile") as pool:
+        futures = [(unit, pool.submit(_compile_unit, unit, device)) for unit in units]
+    times, errors = {}, []
+    for unit, fut in futures:
+        try:
+            times[unit_name(*unit)] = fut.result()
+        except Exception as e:  # noqa: BLE001 (raised below, after every unit has finished)
+            errors.append((unit_name(*unit), e))
+    if errors:
+        name, err = errors[0]
+        raise RuntimeError(f"cuep.compile_kernels: {name} failed ({len(errors)} of {len(units)} units failed)") \
+            from err
+    log.info("cuep: %d kernel units ready on device %d in %.1f s", len(units), device, time.perf_counter() - t0)
+    return times
 
 
 def function(filename: str, name: str, name_expressions: tuple[str, ...] = (), defines: tuple[str, ...] = ()):

@@ -10,6 +10,7 @@ import re
 import shutil
 import struct
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -258,3 +259,58 @@ def test_tuning_variants_compile(nvcc, filename, define, tmp_path):
     msg = (res.stdout + res.stderr).strip()
     assert res.returncode == 0, f"{' '.join(cmd)}\n{msg}"
     assert "warning" not in msg.lower(), msg
+
+
+def test_runtime_units_are_what_calls_compile():
+    """compile_kernels' units: dispatch.cu's parts of the formats asked for (longest first), combine.cu, and with
+    ops the ops' files; never bench.cu (cuep.bench's own). A bad format is refused naming the argument."""
+    every = _kernels.runtime_units()
+    assert every[:4] == [("dispatch.cu", p) for p in ("bf16", "fp8", "nvfp4", "mxfp4")]
+    assert {f for f, _ in every} == set(_kernels.kernel_files()) - {"bench.cu"}
+    assert _kernels.runtime_units("fp8", ops=False) == [("dispatch.cu", "fp8"), ("combine.cu", None)]
+    assert _kernels.runtime_units(["nvfp4", "mxfp4"], ops=False)[:2] == [("dispatch.cu", "nvfp4"), ("dispatch.cu", "mxfp4")]
+    for bad in (["fp16"], [], "int8"):
+        with pytest.raises(ValueError, match="formats"):
+            _kernels.runtime_units(bad)
+
+
+def test_compile_kernels_runs_units_at_once_and_reports_every_failure_after(monkeypatch):
+    """Units compile in parallel threads (a fake compile here: no GPU), every unit is named in the result, and a
+    failing unit raises only once the others have finished."""
+    import threading
+    import time as _time
+
+    active, peak, done = [0], [0], []
+    guard = threading.Lock()
+
+    def fake(unit, device):
+        with guard:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+        _time.sleep(0.05)
+        with guard:
+            active[0] -= 1
+            done.append(unit)
+        if unit == ("silu.cu", None) and fail[0]:
+            raise RuntimeError("nvrtc: error")
+        return 0.05
+
+    monkeypatch.setattr(_kernels, "_compile_unit", fake)
+    fail = [False]
+    times = _kernels.compile_kernels(device=0, jobs=4)
+    assert list(times) == [_kernels.unit_name(*u) for u in _kernels.runtime_units()]
+    assert "dispatch.cu[nvfp4]" in times and peak[0] == 4
+    fail[0], done[:] = True, []
+    with pytest.raises(RuntimeError, match=r"silu.cu failed \(1 of 8") as e:
+        _kernels.compile_kernels(device=0, jobs=2)
+    assert isinstance(e.value.__cause__, RuntimeError) and len(done) == 8
+    with pytest.raises(ValueError, match="formats"):
+        _kernels.compile_kernels(["fp16"], device=0)
+
+
+def test_cli_compile_without_a_gpu_says_so():
+    res = subprocess.run([sys.executable, "-m", "cuep", "--compile"], capture_output=True, text=True, timeout=120,
+                         cwd=_kernels.SRC_DIR.parents[1])
+    if "needs an NVIDIA GPU" not in res.stderr:
+        pytest.skip("a GPU is present: tests/test_compile_gpu.py runs the real compile")
+    assert res.returncode == 2
