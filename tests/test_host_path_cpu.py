@@ -611,7 +611,9 @@ def test_dispatch_route_by_round():
     some = types.SimpleNamespace(one_rank=True, small=16, fmt="fp8", split_fits=(True,) * 9 + (False,) * 8)
     assert [ep._route(some, all_phases, n, "bf16") for n in (0, 8, 9, 16, 17)] == [3, 3, 1, 1, 2]
     src = (_kernels.SRC_DIR / "dispatch.cu").read_text()
-    split = set(re.findall(r"^CUEP_DISPATCH_LOCAL_SPLIT\((\w+), (\w+),", src, re.M))
+    guarded = re.findall(r"^CUEP_IF_(\w+)\(CUEP_DISPATCH_LOCAL_SPLIT\((\w+), (\w+),", src, re.M)
+    assert all(part == f for part, f, _ in guarded)  # each in its format's part (_kernels.PARTS)
+    split = {(f, s) for _, f, s in guarded}
     assert split == {(f, s) for f in ("bf16", "fp8", "nvfp4", "mxfp4") for s in ("bf16", "f32")} - {("bf16", "bf16")}
 
 
