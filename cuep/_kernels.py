@@ -171,7 +171,7 @@ def module(filename: str, name_expressions: tuple[str, ...] = (), defines: tuple
                 raise FileNotFoundError(f"no kernel file {filename!r} in {SRC_DIR}")
             opts = compile_options((*part_defines(filename, part), *defines))
             code = path.read_text()
-            what = filename if part is None else f"{filename} [{part}]"
+            what = unit_name(filename, part)
             t0 = time.perf_counter()
             log.info("cuep: compiling %s for device %d ...", what, dev)
             mod = cupy.RawModule(code=code, options=opts, name_expressions=list(name_expressions) or None)

@@ -35,7 +35,7 @@ def test_there_are_kernel_files():
 
 
 UNITS = _kernels.kernel_units()
-UNIT_IDS = [f if p is None else f"{f}[{p}]" for f, p in UNITS]
+UNIT_IDS = [_kernels.unit_name(f, p) for f, p in UNITS]
 
 
 def cubin_kernels(cubin: bytes) -> set[str]:
