@@ -399,7 +399,8 @@ class _Host:
     __slots__ = ("names", "orders", "launches", "hidden", "top_k", "max_tokens", "capacity", "fmt", "cdt",
                  "combine_suffix", "where", "views", "one_rank", "small", "chunks", "combine_chunks",
                  "offsets_smem", "results", "plans", "combine_names", "combine_wide", "devices", "x_dtypes", "cdts",
-                 "split_fits", "ipc", "recv_name", "single", "status", "torch_results", "torch_views")
+                 "split_fits", "ipc", "recv_name", "single", "status", "torch_results", "torch_views", "steps",
+                 "combine_steps")
 
     def __init__(self, buf: Buffer):
         cfg = buf.cfg
@@ -435,6 +436,8 @@ class _Host:
         self.results = [(r.tokens, r.scales, r.row_offsets, r.expert_ids, r.src_info, r.scales_offsets, r.rank)
                         for r in buf._ranks]
         self.plans: dict = {}
+        self.steps: dict = {}  # the one-rank short path's launch per (phases, src) and N (_dispatch_step)
+        self.combine_steps: dict = {}  # its combine's per (phases, mode, N) (_combine_step)
         self.chunks: dict = {}  # a small one-rank round's chunk plan per N (_small_round_chunks), per input dtype
         self.combine_chunks: dict = {}  # the one-rank combine's per N (_combine_chunks_of)
         self.torch_results = None  # (the torch short path) torch views of results[0], and of combine's views
@@ -539,16 +542,18 @@ def _check_global_scale(global_scale) -> None:
                          "(nvfp4's global scale, as float32)")
 
 
-def _rows_ok(a, rows: int, cols: int, dtypes, device: int, mask: int) -> bool:
-    """Whether ``a`` is a C-contiguous [rows, cols] CuPy array (rows > 0) of one of ``dtypes`` on ``device`` whose
-    address has no bit of ``mask`` set: the common case of an argument in a few reads of CuPy's stored fields
-    (ndim, size and len fix the shape without building the shape tuple). False sends the caller to the full
-    checks, which raise with a message (or accept what this test leaves to them, e.g. 0 rows)."""
+def _rows_ptr(a, rows: int, cols: int, dtypes, device: int, mask: int) -> int:
+    """The device address of ``a`` if it is a C-contiguous [rows, cols] CuPy array (rows, cols > 0: an address
+    that is never 0) of one of ``dtypes`` on ``device`` whose address has no bit of ``mask`` set, else 0: the common
+    case of an argument in a few reads of CuPy's stored fields (ndim, size and len fix the shape without building
+    the shape tuple). 0 sends the caller to the full checks, which raise with a message (or accept what this test
+    leaves to them, e.g. 0 rows). (:func:`cuep.interop.tensor_ptr` is the same test for a torch tensor.)"""
     if type(a) is not _ND or not rows or a.dtype not in dtypes or not a._c_contiguous or a.ndim != 2 \
             or len(a) != rows or a.size != rows * cols:
-        return False
+        return 0
     m = a.data
-    return m.device_id == device and not m.ptr & mask
+    ptr = m.ptr
+    return ptr if m.device_id == device and not ptr & mask else 0
 
 
 def _validate_dispatch(host: _Host, xs: list, ids: list, ws: list, global_scale) -> list:
@@ -560,8 +565,8 @@ def _validate_dispatch(host: _Host, xs: list, ids: list, ws: list, global_scale)
     for i, dev in enumerate(host.devices):
         x, t, w = xs[i], ids[i], ws[i]
         n = len(x) if type(x) is _ND and x.ndim == 2 else 0
-        if not (n <= host.max_tokens and _rows_ok(x, n, hidden, x_dtypes, dev, 15)
-                and _rows_ok(t, n, top_k, _I32S, dev, 3) and (w is None or _rows_ok(w, n, top_k, _F32S, dev, 3))):
+        if not (n <= host.max_tokens and _rows_ptr(x, n, hidden, x_dtypes, dev, 15)
+                and _rows_ptr(t, n, top_k, _I32S, dev, 3) and (w is None or _rows_ptr(w, n, top_k, _F32S, dev, 3))):
             n = _check_dispatch_args(host, i, x, t, w)
         ns.append(n)
     return ns
@@ -680,14 +685,30 @@ def _dispatch_single(buf, x, topk_ids, topk_weights, global_scale, phases: int):
             or not GLOBAL_SCALE_MIN <= global_scale <= GLOBAL_SCALE_MAX:
         return None
     n, dev, w = len(x), host.devices[0], topk_weights
-    if not (0 < n <= host.max_tokens and _rows_ok(x, n, host.hidden, host.x_dtypes, dev, 15)
-            and _rows_ok(topk_ids, n, host.top_k, _I32S, dev, 3)
-            and (w is None or _rows_ok(w, n, host.top_k, _F32S, dev, 3))):
+    xp = _rows_ptr(x, n, host.hidden, host.x_dtypes, dev, 15) if 0 < n <= host.max_tokens else 0
+    ip = _rows_ptr(topk_ids, n, host.top_k, _I32S, dev, 3) if xp else 0
+    wp = _rows_ptr(w, n, host.top_k, _F32S, dev, 3) if ip and w is not None else 0
+    if not ip or w is not None and not wp:
         return None
     dt, bf16 = x.dtype, host.x_dtypes[0]
     return _dispatch_single_launch(buf, host, phases, "bf16" if dt is bf16 or dt == bf16 else "f32", n, None,
-                                   x.data.ptr, topk_ids.data.ptr, 0 if w is None else w.data.ptr, global_scale,
-                                   topk_ids, w is not None)
+                                   xp, ip, wp, global_scale, topk_ids, w is not None)
+
+
+def _dispatch_step(buf, host, phases: int, src: str, n: int):
+    """A one-local-rank dispatch call's launch for (``phases``, ``src`` input, ``n`` tokens): (prepared launch,
+    the phases it is launched with, its chunk plan, whether it is a one-rank kernel), kept per (phases, src) in a
+    list indexed by N once the launch is prepared (the first call of a route takes :func:`_dispatch`); None before
+    that."""
+    route = _route(host, phases, n, src)
+    launch = host.plans.get((0, phases, src, route))
+    if launch is None:
+        return None
+    steps = host.steps.get((phases, src))
+    if steps is None:
+        steps = host.steps[(phases, src)] = [None] * (host.max_tokens + 1)
+    step = steps[n] = (launch, _with_one_call(phases), host.chunks[src][n] if route & 1 else 0, route != 0)
+    return step
 
 
 def _dispatch_single_launch(buf, host, phases: int, src: str, n: int, stream, x_ptr: int, ids_ptr: int, w_ptr: int,
@@ -695,22 +716,24 @@ def _dispatch_single_launch(buf, host, phases: int, src: str, n: int, stream, x_
     """The one-local-rank dispatch's launch (from ``src`` input, on ``stream``: None is CuPy's current, a handle
     a torch call's) and the round's bookkeeping; returns the :class:`Dispatched` (torch views when ``stream`` is
     given), or None when the launch is not prepared or the device is not current (nothing done)."""
-    route = _route(host, phases, n, src)
-    launch = host.plans.get((0, phases, src, route))
-    if launch is None or (not route and host.ipc and "dispatch.cu" not in buf._launched) \
-            or _runtime.getDevice() != host.devices[0]:
+    steps = host.steps.get((phases, src))
+    step = steps[n] if steps is not None else None
+    if step is None:
+        step = _dispatch_step(buf, host, phases, src, n)
+        if step is None:
+            return None
+    launch, ph, chunks, local = step
+    if (not local and host.ipc and "dispatch.cu" not in buf._launched) or _runtime.getDevice() != host.devices[0]:
         return None
     rounds = buf._rounds
     seq = rounds["dispatches"] + 1
-    ph = _with_one_call(phases)
-    chunks = host.chunks[src][n] if route & 1 else 0
     if stream is None:
         d = Dispatched(*host.results[0], n, topk_ids, has_weights, buf, seq)
         launch.launch_call(buf.num_sms, x_ptr, ids_ptr, w_ptr, n, global_scale, ph, chunks)
     else:
         d = Dispatched(*_torch_results(buf, host), n, topk_ids, has_weights, buf, seq, True)
         launch.launch_call_on(stream, buf.num_sms, x_ptr, ids_ptr, w_ptr, n, global_scale, ph, chunks)
-    rounds["local"] = route != 0
+    rounds["local"] = local
     rounds["dispatches"] = seq
     if not phases & PHASE_RECV:
         rounds["pending"] = ("dispatch", seq)
@@ -1158,15 +1181,15 @@ def _combine_single(buf, expert_out, dispatched, topk_weights, residual, phases:
             or d._seq != rounds["dispatches"] or type(eo) is not _ND or eo.ndim != 2:
         return None
     rows, N, dev, cdts = len(eo), d.num_tokens, host.devices[0], host.cdts
-    if not (rows >= host.capacity and _rows_ok(eo, rows, host.hidden, cdts, dev, 15)
-            and (w is None or _rows_ok(w, N, host.top_k, _F32S, dev, 3))
-            and (rs is None or (w is not None or d._has_weights) and _rows_ok(rs, N, host.hidden, cdts, dev, 15))):
+    eo_ptr = _rows_ptr(eo, rows, host.hidden, cdts, dev, 15) if rows >= host.capacity else 0
+    wp = _rows_ptr(w, N, host.top_k, _F32S, dev, 3) if eo_ptr and w is not None else 0
+    rp = _rows_ptr(rs, N, host.hidden, cdts, dev, 15) if eo_ptr and rs is not None and (w is not None
+                                                                                          or d._has_weights) else 0
+    if not eo_ptr or w is not None and not wp or rs is not None and not rp:
         return None
     mode = MODE_WEIGHTED if w is not None else MODE_PARTIAL if d._has_weights else MODE_UNREDUCED
-    eo_ptr = eo.data.ptr
     out = host.views.get((0, mode, N)) if _combine_half_in_order(rounds, phases, mode, eo_ptr) else None
-    if out is None or not _combine_single_launch(buf, host, phases, mode, None, eo_ptr, _ptr(d._topk_ids),
-                                                 0 if w is None else w.data.ptr, 0 if rs is None else rs.data.ptr,
+    if out is None or not _combine_single_launch(buf, host, phases, mode, None, eo_ptr, _ptr(d._topk_ids), wp, rp,
                                                  out.data.ptr, N):
         return None
     return out
@@ -1187,18 +1210,15 @@ def _combine_single_launch(buf, host, phases: int, mode: int, stream, eo_ptr: in
     ``stream`` (None: CuPy's current), then the round's pending half; False: the launch is not prepared or the
     device is not current (nothing done)."""
     rounds = buf._rounds
-    local = rounds["local"]
-    ph = 0 if local and not phases & PHASE_RECV else phases
-    if ph:
-        chunks = _combine_chunks_of(buf, host, N) if local else 0
-        name = _combine_local_name(host, chunks) if local else host.combine_names[False]
-        smem = host.offsets_smem if local else COMBINE_RING_BYTES if (
-            ph & PHASE_SEND and mode == MODE_PARTIAL and host.combine_suffix == "bf16") else 0
-        launch = host.launches.get((0, name, smem))
-        if launch is None or (host.ipc and "combine.cu" not in buf._launched) \
-                or _runtime.getDevice() != host.devices[0]:
+    key = (phases, mode, N, rounds["local"])
+    step = host.combine_steps.get(key) or _combine_step(buf, host, key)
+    if step is None:
+        return False
+    launch, ph, chunks = step
+    if launch is not None:
+        if (host.ipc and "combine.cu" not in buf._launched) or _runtime.getDevice() != host.devices[0]:
             return False
-        values = (eo_ptr, ids_ptr, w_ptr, rs_ptr, out_ptr, N, mode, _with_one_call(ph), chunks)
+        values = (eo_ptr, ids_ptr, w_ptr, rs_ptr, out_ptr, N, mode, ph, chunks)
         if stream is None:
             launch.launch_call(buf.num_sms, *values)
         else:
@@ -1206,6 +1226,28 @@ def _combine_single_launch(buf, host, phases: int, mode: int, stream, eo_ptr: in
     rounds["pending"] = ("combine", rounds["dispatches"], [mode], [eo_ptr]) \
         if phases == PHASE_NOTIFY | PHASE_SEND else None
     return True
+
+
+def _combine_step(buf, host, key: tuple):
+    """A one-local-rank combine call's launch for ``key`` = (phases, mode, N, whether the round took the one-rank
+    kernels): (prepared launch, the phases it is launched with, its chunk plan), or (None, 0, 0) for a one-rank
+    round's first half (the second does it all); kept per key once the launch is prepared (the first call takes
+    :func:`_combine`); None before that."""
+    phases, mode, N, local = key
+    ph = 0 if local and not phases & PHASE_RECV else phases
+    if not ph:
+        step = (None, 0, 0)
+    else:
+        chunks = _combine_chunks_of(buf, host, N) if local else 0
+        name = _combine_local_name(host, chunks) if local else host.combine_names[False]
+        smem = host.offsets_smem if local else COMBINE_RING_BYTES if (
+            ph & PHASE_SEND and mode == MODE_PARTIAL and host.combine_suffix == "bf16") else 0
+        launch = host.launches.get((0, name, smem))
+        if launch is None:
+            return None
+        step = (launch, _with_one_call(ph), chunks)
+    host.combine_steps[key] = step
+    return step
 
 
 def _combine(buf: Buffer, expert_out, dispatched, topk_weights, residual, phases: int):
@@ -1225,13 +1267,13 @@ def _combine(buf: Buffer, expert_out, dispatched, topk_weights, residual, phases
     outs, modes = [], []
     for i, dev in enumerate(host.devices):
         d, eo, w, rs = ds[i], eos[i], ws[i], res[i]
-        # the common case in a few reads of stored fields (_rows_ok); the full checks, with messages, otherwise
+        # the common case in a few reads of stored fields (_rows_ptr); the full checks, with messages, otherwise
         rows = len(eo) if type(eo) is _ND and eo.ndim == 2 else 0
         if type(d) is Dispatched and d._buffer is buf and d._seq == seq and d.rank == host.results[i][-1] \
-                and rows >= capacity and _rows_ok(eo, rows, hidden, cdts, dev, 15) \
-                and (w is None or _rows_ok(w, d.num_tokens, top_k, _F32S, dev, 3)) \
+                and rows >= capacity and _rows_ptr(eo, rows, hidden, cdts, dev, 15) \
+                and (w is None or _rows_ptr(w, d.num_tokens, top_k, _F32S, dev, 3)) \
                 and (rs is None or (w is not None or d._has_weights)
-                     and _rows_ok(rs, d.num_tokens, hidden, cdts, dev, 15)):
+                     and _rows_ptr(rs, d.num_tokens, hidden, cdts, dev, 15)):
             mode = MODE_WEIGHTED if w is not None else MODE_PARTIAL if d._has_weights else MODE_UNREDUCED
         else:
             mode = _check_combine_args(buf, host, i, d, eo, w, rs)

@@ -306,7 +306,7 @@ def torch_bindings() -> TorchBindings:
 def tensor_ptr(t, tb: TorchBindings, shape, dtypes, device: int, mask: int) -> int:
     """The device address of ``t`` if it is a contiguous CUDA tensor of ``shape`` (a tuple; None: the caller has
     checked the shape) and one of ``dtypes`` on ``device`` whose address has no bit of ``mask`` set, else 0: a short
-    path's argument test in a few reads (cuep.ep._rows_ok's for torch; the callers' shapes have rows, so a tensor
+    path's argument test in a few reads (cuep.ep._rows_ptr's for torch; the callers' shapes have rows, so a tensor
     that passes has memory and a nonzero address). ``shape`` compares with ``t.shape`` in one read (``size(i)``
     costs more per call than the whole torch.Size); a CPU tensor's ``get_device()`` is -1."""
     if type(t) is tb.tensor and t.dtype in dtypes and t.layout is tb.strided \
