@@ -12,8 +12,11 @@ given at dispatch), dispatch_async, dispatch_wait, combine_async, combine_wait, 
 before its last call is reported (the GPU went idle: raise ``--spin-ms``). Cases: ranks 1 (one real rank) and
 2 (two simulated ranks on one GPU, phase by phase), N in ``--tokens`` (default 1 128 4096), ``--formats``
 (default bf16); ``--import-torch`` imports torch first (a torch program's case), ``--torch-tensors`` passes every
-array as a torch tensor (the calls run in torch mode). The table (median us per call;
-min beside it) is printed last. ``--base REF`` also times the commit REF's cuep, extracted and imported as
+array as a torch tensor (the calls run in torch mode). Splitting a call's cost: ``--no-launch`` replaces the driver
+launch (``cuep._kernels._launch_raw``) by a no-op in the timed batches (the Python part alone; the buffers are reset
+after each batch, whose rounds ran nothing), ``--cold-mib M`` writes M MiB of host memory before each timed call,
+outside its timing (the CPU caches cold, as when a model's other work runs between calls). The table (median us
+per call; min beside it) is printed last. ``--base REF`` also times the commit REF's cuep, extracted and imported as
 ``cuep_base`` by benchmarks/ab_baseline.py, alternating with this tree's in every batch.
 """
 from __future__ import annotations
@@ -97,8 +100,9 @@ class Case:
     def close(self) -> None:
         self.buf.close()
 
-    def round(self, n: int, times: dict | None, with_ops: bool) -> None:
-        """One round of every call at N = n; each call's seconds appended to ``times[call]`` (None: untimed)."""
+    def round(self, n: int, times: dict | None, with_ops: bool, before=None) -> None:
+        """One round of every call at N = n; each call's seconds appended to ``times[call]`` (None: untimed);
+        ``before()`` runs before each call, untimed."""
         pkg, buf = self.pkg, self.buf
         xs, ids, ws, ops = self.inputs[n]
         one = self.ranks == 1
@@ -106,6 +110,8 @@ class Case:
         clock = time.perf_counter
 
         def timed(name, fn, *a, **kw):
+            if before is not None:
+                before()
             t0 = clock()
             r = fn(*a, **kw)
             t1 = clock()
@@ -130,6 +136,13 @@ def measure(pkgs: dict, args) -> tuple[dict, list[str]]:
 
     dims = (256, 2, 8) if args.small else (7168, 8, 256)
     spin = Spin(args.spin_ms)
+    cold = bytearray(args.cold_mib << 20) if args.cold_mib else None
+    ones = b"\x01" * (len(cold) // 64) if cold else b""
+
+    def before() -> None:  # one byte of every 64-byte line written: the CPU caches hold this, not the last call
+        cold[::64] = ones
+
+    kernels = {label: sys.modules[f"{pkg.__name__}._kernels"] for label, pkg in pkgs.items()}
     results: dict = {}
     warnings: list[str] = []
     for ranks in args.ranks:
@@ -148,12 +161,20 @@ def measure(pkgs: dict, args) -> tuple[dict, list[str]]:
                         order = list(cases) if b % 2 == 0 else list(cases)[::-1]
                         for label in order:
                             spin.start()
-                            for _ in range(args.rounds):
-                                cases[label].round(n, times[label], with_ops)
-                            if not spin.still_busy():
+                            real = kernels[label]._launch_raw
+                            if args.no_launch:
+                                kernels[label]._launch_raw = lambda *a, **kw: None
+                            try:
+                                for _ in range(args.rounds):
+                                    cases[label].round(n, times[label], with_ops, before if cold else None)
+                            finally:
+                                kernels[label]._launch_raw = real
+                            if not spin.still_busy() and not args.no_launch:
                                 warnings.append(f"{label} ranks={ranks} {fmt} N={n} batch {b}: the GPU went idle "
                                                 f"before the last call (raise --spin-ms)")
                             cases[label].buf.synchronize()
+                            if args.no_launch:  # the host's round state ran ahead of the GPU's: re-arm
+                                cases[label].buf.reset()
                     for label in cases:
                         for call, v in times[label].items():
                             if v:
@@ -203,6 +224,10 @@ def main(argv=None) -> int:
     p.add_argument("--device", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write every sample here")
+    p.add_argument("--no-launch", action="store_true",
+                   help="timed calls launch nothing (the driver launch a no-op): the Python part of each call")
+    p.add_argument("--cold-mib", type=int, default=0, metavar="M",
+                   help="write M MiB of host memory before each timed call (untimed): CPU caches cold")
     p.add_argument("--import-torch", action="store_true",
                    help="import torch first, as a torch program has (the arguments stay CuPy arrays): every call "
                         "then looks at its arguments for tensors")
@@ -228,7 +253,9 @@ def main(argv=None) -> int:
     dev = cupy.cuda.runtime.getDeviceProperties(args.device)["name"].decode()
     print(f"\nhost us per call (median of {args.batches} x {args.rounds}; min in brackets), GPU busy, {dev}, "
           f"{'H=256 K=2 E=8' if args.small else 'H=7168 K=8 E=256'}"
-          f"{', torch tensors' if args.torch_tensors else ', torch imported' if args.import_torch else ''}")
+          f"{', torch tensors' if args.torch_tensors else ', torch imported' if args.import_torch else ''}"
+          f"{', launches stubbed (Python only)' if args.no_launch else ''}"
+          f"{f', {args.cold_mib} MiB written before each call' if args.cold_mib else ''}")
     print(table(results, list(pkgs)))
     return 0
 

@@ -96,7 +96,7 @@ def main(argv=None) -> int:
         "buf.check()": buf.check,
         "ep._check_array(x)": lambda: ep._check_array(x, "x", 0, (bf16, ep._F32), 2, "[N, H]"),
         "ep._validate_dispatch": lambda: ep._validate_dispatch(host, [x], [ids], [w], 1.0),
-        "ep._rows_ok(x)": lambda: ep._rows_ok(x, N, x.shape[1], host.x_dtypes, 0, 15),
+        "ep._rows_ptr(x)": lambda: ep._rows_ptr(x, N, x.shape[1], host.x_dtypes, 0, 15),
         "Dispatched(*fixed, n, ids, has_w, buf, seq)": lambda: ep.Dispatched(*host.results[0], N, ids, True, buf, 1),
         "ep._as_list(x) x3": lambda: (ep._as_list(x, 1, "x"), ep._as_list(ids, 1, "i"), ep._as_list(w, 1, "w")),
         "ep._check_nothing_pending": lambda: ep._check_nothing_pending(buf, "c"),
