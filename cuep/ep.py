@@ -695,6 +695,12 @@ def _dispatch_single(buf, x, topk_ids, topk_weights, global_scale, phases: int):
                                    xp, ip, wp, global_scale, topk_ids, w is not None)
 
 
+def _chunk_plan(host, src: str, n: int, route: int) -> int:
+    """The chunk plan a dispatch launch of ``route`` passes: a small one-rank round's (routes 1 and 3, made with
+    its launch by :func:`_dispatch_plan`), else 0."""
+    return host.chunks[src][n] if route & 1 else 0
+
+
 def _dispatch_step(buf, host, phases: int, src: str, n: int):
     """A one-local-rank dispatch call's launch for (``phases``, ``src`` input, ``n`` tokens): (prepared launch,
     the phases it is launched with, its chunk plan, whether it is a one-rank kernel), kept per (phases, src) in a
@@ -707,7 +713,7 @@ def _dispatch_step(buf, host, phases: int, src: str, n: int):
     steps = host.steps.get((phases, src))
     if steps is None:
         steps = host.steps[(phases, src)] = [None] * (host.max_tokens + 1)
-    step = steps[n] = (launch, _with_one_call(phases), host.chunks[src][n] if route & 1 else 0, route != 0)
+    step = steps[n] = (launch, _with_one_call(phases), _chunk_plan(host, src, n, route), route != 0)
     return step
 
 
@@ -786,7 +792,7 @@ def _dispatch(buf: Buffer, x, topk_ids, topk_weights, global_scale: float, phase
                 if host.ipc:
                     _before_launch(buf, "dispatch.cu")  # after the plan: the first one compiles
             launch.launch_call(buf.num_sms, x.data.ptr, ids[i].data.ptr, 0 if w is None else w.data.ptr, num,
-                               global_scale, ph | local_x, host.chunks[src][num] if route & 1 else 0)
+                               global_scale, ph | local_x, _chunk_plan(host, src, num, route))
     finally:
         if dev != home:
             runtime.setDevice(home)
@@ -1228,6 +1234,17 @@ def _combine_single_launch(buf, host, phases: int, mode: int, stream, eo_ptr: in
     return True
 
 
+def _combine_kernel(buf, host, ph: int, mode: int, local: bool, n: int) -> tuple[str, int, int]:
+    """(kernel, dynamic shared memory, chunk plan) of a combine launch of phases ``ph`` and ``mode`` for a round
+    of ``n`` tokens on a rank: the one-rank kernels after a one-rank dispatch (``local``), else the protocol's,
+    with the bf16 partial-sum send's load ring."""
+    if local:
+        chunks = _combine_chunks_of(buf, host, n)
+        return _combine_local_name(host, chunks), host.offsets_smem, chunks
+    ring = ph & PHASE_SEND and mode == MODE_PARTIAL and host.combine_suffix == "bf16"
+    return host.combine_names[False], COMBINE_RING_BYTES if ring else 0, 0
+
+
 def _combine_step(buf, host, key: tuple):
     """A one-local-rank combine call's launch for ``key`` = (phases, mode, N, whether the round took the one-rank
     kernels): (prepared launch, the phases it is launched with, its chunk plan), or (None, 0, 0) for a one-rank
@@ -1238,10 +1255,7 @@ def _combine_step(buf, host, key: tuple):
     if not ph:
         step = (None, 0, 0)
     else:
-        chunks = _combine_chunks_of(buf, host, N) if local else 0
-        name = _combine_local_name(host, chunks) if local else host.combine_names[False]
-        smem = host.offsets_smem if local else COMBINE_RING_BYTES if (
-            ph & PHASE_SEND and mode == MODE_PARTIAL and host.combine_suffix == "bf16") else 0
+        name, smem, chunks = _combine_kernel(buf, host, ph, mode, local, N)
         launch = host.launches.get((0, name, smem))
         if launch is None:
             return None
@@ -1296,13 +1310,11 @@ def _combine(buf: Buffer, expert_out, dispatched, topk_weights, residual, phases
         if [pointer(e) for e in eos] != p[3]:
             raise ValueError(f"{call}: expert_out is not the array(s) given to combine_async (the receive reads "
                              f"them too): pass combine_wait the same arguments as combine_async")
-    ring = host.combine_suffix == "bf16"
     # after a one-rank dispatch (rounds["local"]) no protocol either (cuda_src/combine/local.cuh): the fused call
     # and combine_wait sum every token; combine_async has nothing to send and launches nothing
     local = rounds["local"]
     if local and not phases & PHASE_RECV:
         phases = 0
-    name = host.combine_names[local]
     one_call = _with_one_call(phases) & PHASE_LOCAL_X  # the call's, on each launch (combine/slots.cuh direct_out)
     if buf._ranks[0].node is not None:  # several nodes: cuep.internode
         from . import internode
@@ -1320,11 +1332,7 @@ def _combine(buf: Buffer, expert_out, dispatched, topk_weights, residual, phases
                 dev = host.devices[i]
                 runtime.setDevice(dev)
             mode = modes[i]
-            smem = COMBINE_RING_BYTES if (ph & PHASE_SEND and ring and mode == MODE_PARTIAL) else 0
-            chunks = 0
-            if local:
-                smem, chunks = host.offsets_smem, _combine_chunks_of(buf, host, d.num_tokens)
-                name = _combine_local_name(host, chunks)
+            name, smem, chunks = _combine_kernel(buf, host, ph, mode, local, d.num_tokens)
             launch = host.launches.get((i, name, smem)) or _prepared(buf, i, name, _THREADS, smem)
             if host.ipc:
                 _before_launch(buf, "combine.cu")

@@ -844,3 +844,26 @@ def test_ops_plain_paths_call_the_op_without_the_torch_scan(ops_launches, torch,
         got = ops.fused_silu(*args, **kw)
         assert got[0] == "general" and got[1][:len(args)] == args and len(got[1]) == 6, (args, kw)
     assert log == []
+
+
+@pytest.mark.parametrize("combine_dtype", ["bfloat16", "float32"])
+def test_combine_kernel_choice(combine_dtype):
+    """ep._combine_kernel, the one choice of (kernel, shared memory, chunk plan) both combine paths launch: after a
+    one-rank dispatch the one-rank kernel with its row offsets in shared memory and the round's chunk plan; else the
+    protocol's kernel, with the load ring only where a bf16 partial-sum round sends."""
+    buf = make_buffer("bf16", 2)
+    buf.cfg = EPConfig(hidden=H, top_k=K, n_experts=E, n_gpus_per_node=2, max_tokens_per_rank=T,
+                       combine_dtype=combine_dtype)
+    host = ep._Host(buf)
+    suffix = host.combine_suffix
+    protocol = f"combine.cu:cuep_combine_{suffix}"
+    ring = ep.COMBINE_RING_BYTES if suffix == "bf16" else 0
+    send, recv = ep.PHASE_NOTIFY | ep.PHASE_SEND, ep.PHASE_RECV
+    assert ep._combine_kernel(buf, host, send, ep.MODE_PARTIAL, False, 16) == (protocol, ring, 0)
+    assert ep._combine_kernel(buf, host, ep._PHASES_ALL, ep.MODE_PARTIAL, False, 16) == (protocol, ring, 0)
+    for mode in (ep.MODE_WEIGHTED, ep.MODE_UNREDUCED):
+        assert ep._combine_kernel(buf, host, send, mode, False, 16) == (protocol, 0, 0)
+    assert ep._combine_kernel(buf, host, recv, ep.MODE_PARTIAL, False, 16) == (protocol, 0, 0)
+    chunks = ep._combine_chunks_of(buf, host, 16)
+    assert ep._combine_kernel(buf, host, recv, ep.MODE_PARTIAL, True, 16) == (
+        ep._combine_local_name(host, chunks), host.offsets_smem, chunks)
