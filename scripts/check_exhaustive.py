@@ -4,6 +4,7 @@
     python scripts/check_exhaustive.py fp8div [--per-s 256] [--s-step 1]   # 2**23 / s_step divisors x per_s pairs
     python scripts/check_exhaustive.py silu             # every g with |g| in [85, 89], 2**24 random patterns
     python scripts/check_exhaustive.py e2m1pow2         # mxfp4's fused lines: every e, 2**20 values each
+    python scripts/check_exhaustive.py e2m1bf16         # mxfp4 from bf16 on bf16 pairs: every x, every e
 
 * ``e2m1``: ``e2m1_device`` below is a NumPy emulation, operation for operation, of ``e2m1_biased`` /
   ``e2m1_encode`` in cuep/cuda_src/formats.cuh (fminf of FTZ operands, three lines rounded once each to an
@@ -26,6 +27,10 @@
 * ``e2m1pow2``: ``e2m1_pow2_device`` emulates formats.cuh ``E2m1Pow2`` (mxfp4: the block's 2**-e folded into the
   three lines' FMAs, |x| clamped at 6 * 2**e). It must give the reference's code of ftz(x * 2**-e) for every
   e in [-126, 125] (e = -127 multiplies first in the kernel): the grid's rounding edges times 2**e and random x.
+
+* ``e2m1bf16``: ``e2m1_bf16_device`` emulates formats/elements.cuh ``E2m1Bf16x2Pow2`` (mxfp4 from bf16: the same
+  lines on bf16 pairs, rounded to bf16, no flushing), for every bf16 x at every e in [-100, 125] (the kernels
+  take the float32 lines for a warp holding a smaller e).
 
 tests/test_reference_quant.py imports this file and runs both on samples (1e6 values and the special points).
 """
@@ -293,6 +298,81 @@ def run_e2m1_pow2(per_e: int = 1 << 20, seed: int = 0) -> int:
     return bad
 
 
+# ---- mxfp4 from bf16: the lines on bf16 pairs ------------------------------------------------------------------
+U16 = np.uint16
+E2M1_BF16_MIN_E = -100  # kE2m1Bf16MinE of formats/elements.cuh
+
+
+def _bf16_value(bits: np.ndarray) -> np.ndarray:
+    """float64 values of bf16 bit patterns (exact; NaN stays NaN)."""
+    with np.errstate(invalid="ignore"):  # (signaling NaN patterns)
+        return (np.asarray(bits, np.uint32) << U32(16)).view(F32).astype(F64)
+
+
+def e2m1_bf16_device(xbits: np.ndarray, e: np.ndarray) -> np.ndarray:
+    """formats/elements.cuh ``E2m1Bf16x2Pow2(e)`` on one bf16 value (bits ``xbits``) and its sign: a = min.bf16x2(
+    |x|, 6 * 2**e) (a NaN operand gives the other; no flushing), each line fma.rn.bf16x2(a, 2**k, M + c), M = 192,
+    rounded once to bf16 (ulp 1 on [128, 256): rint of the exact sum, which float64 holds wherever it is within 2**-9
+    of a tie), their minimum. xbits and e broadcast; uint8 codes."""
+    xbits = np.asarray(xbits, np.uint32)
+    e = np.asarray(e, np.int64)
+    mag = _bf16_value(xbits & U32(0x7FFF))
+    clamp = 6.0 * np.exp2(e.astype(F64))
+    with np.errstate(invalid="ignore"):
+        a = np.where(np.isnan(mag), clamp, np.minimum(mag, clamp))
+    t = np.minimum(np.minimum(np.rint(a * np.exp2(1.0 - e) + 192.0), np.rint(a * np.exp2(-e.astype(F64)) + 194.0)),
+                   np.rint(a * np.exp2(-1.0 - e) + 196.0))
+    return ((t - 192.0).astype(np.uint32) | ((xbits >> U32(12)) & U32(8))).astype(np.uint8)
+
+
+def e2m1x8_pack_bf16_device(words: np.ndarray, e: np.ndarray) -> np.ndarray:
+    """formats/elements.cuh ``e2m1x8_pack_bf16``: words [..., 4] uint32 (8 bf16, element 2i in the low half of word
+    i) -> [...] uint32 codes, nibble i = element i, through the kernel's byte gathers (PRMT 0x6420 / 0x7531), bias
+    and shifts, with the lines of ``e2m1_bf16_device`` (e broadcast over the leading axes)."""
+    w = np.asarray(words, np.uint32)
+    e = np.asarray(e, np.int64)[..., None]
+
+    def lines(x):  # bits 0x4340 + code of both halves
+        lo = e2m1_bf16_device(x & U32(0xFFFF), e).astype(np.uint32) & U32(7)
+        hi = e2m1_bf16_device(x >> U32(16), e).astype(np.uint32) & U32(7)
+        return (U32(0x4340) + lo) | ((U32(0x4340) + hi) << U32(16))
+
+    def perm(a, b, sel):  # __byte_perm(a, b, sel) for selectors of byte indices 0..7 (no sign replication)
+        src = np.stack([(a >> U32(8 * k)) & U32(0xFF) for k in range(4)] +
+                       [(b >> U32(8 * k)) & U32(0xFF) for k in range(4)])
+        out = np.zeros(a.shape, np.uint32)
+        for byte in range(4):
+            out |= src[(sel >> (4 * byte)) & 7] << U32(8 * byte)
+        return out
+
+    t = lines(w)
+    lo = perm(t[..., 0], t[..., 1], 0x6420) - U32(0x40404040)
+    hi = perm(t[..., 2], t[..., 3], 0x6420) - U32(0x40404040)
+    lo |= (perm(w[..., 0], w[..., 1], 0x7531) >> U32(4)) & U32(0x08080808)
+    hi |= (perm(w[..., 2], w[..., 3], 0x7531) >> U32(4)) & U32(0x08080808)
+    return perm(lo | (lo >> U32(4)), hi | (hi >> U32(4)), 0x6420)
+
+
+def run_e2m1_bf16(e_step: int = 1) -> int:
+    """Every bf16 x (all 2**16 patterns; NaN and Inf give the float32 lines' code 7 with x's sign) and every e in
+    [kE2m1Bf16MinE, 125] (every e_step-th): the code of ``e2m1_bf16_device`` against the reference's code of
+    ftz(ftz(x) * 2**-e) (x from bf16: exact in float32)."""
+    xbits = np.arange(1 << 16, dtype=np.uint32)
+    x = (xbits << U32(16)).view(F32)
+    bad, t0 = 0, time.time()
+    for e in range(E2M1_BF16_MIN_E, 126, e_step):
+        with np.errstate(all="ignore"):
+            want = e2m1_encode(ftz(ftz(x) * np.ldexp(F32(1.0), -e).astype(F32)))
+        got = e2m1_bf16_device(xbits, e)
+        wrong = np.flatnonzero(got != want)
+        for i in wrong[:5]:
+            print(f"  e2m1 bf16 mismatch: e = {e}, x bits {int(xbits[i]):#06x}: device {got[i]}, reference {want[i]}")
+        bad += int(wrong.size)
+    n_e = len(range(E2M1_BF16_MIN_E, 126, e_step))
+    print(f"e2m1 bf16: {bad} mismatches, all 2**16 bf16 x at {n_e} e ({time.time() - t0:.0f} s)")
+    return bad
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
@@ -303,7 +383,10 @@ def main() -> int:
     d.add_argument("--seed", type=int, default=0)
     sub.add_parser("silu", help="fused_silu's silu_f32 (the |g| in [85, 89] range and random patterns)")
     sub.add_parser("e2m1pow2", help="mxfp4's e2m1 lines with 2**-e folded in, every e")
+    sub.add_parser("e2m1bf16", help="mxfp4 from bf16: the lines on bf16 pairs, every bf16 x at every e")
     a = p.parse_args()
+    if a.what == "e2m1bf16":
+        return 1 if run_e2m1_bf16() else 0
     if a.what == "silu":
         return 1 if run_silu() else 0
     if a.what == "e2m1pow2":

@@ -279,11 +279,13 @@ def test_quantize_edge_values(fmt):
 
 
 @pytest.mark.gpu
-def test_quantize_mxfp4_every_block_exponent(rng):
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_quantize_mxfp4_every_block_exponent(rng, dtype):
     """mxfp4 at every finite block exponent (amax from 2**-126 to near the float32 max, and 0): the e2m1 lines
-    scaled by 2**-e (E2m1Pow2) and the multiply-first path (e = -127: rows with E <= -125) give the reference's
-    codes at each rounding edge (the grid's midpoints times 2**e and their neighbours), for values whose product is
-    subnormal (code 0, sign kept) and for random values of the block's range."""
+    scaled by 2**-e (E2m1Pow2; from bf16 on bf16 pairs, E2m1Bf16x2Pow2, where every block of the warp has
+    e >= -100) and the multiply-first path (e = -127: rows with E <= -125) give the reference's codes at each
+    rounding edge (the grid's midpoints times 2**e and their neighbours, in the input's precision), for values
+    whose product is subnormal (code 0, sign kept) and for random values of the block's range."""
     f32 = np.float32
     thr = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
     blocks = [np.zeros(32, f32)]
@@ -291,15 +293,24 @@ def test_quantize_mxfp4_every_block_exponent(rng):
         e = max(big_e - 2, -127)
         amax = f32(2.0 ** big_e * rng.uniform(1, 1.99))
         mid = (thr * 2.0 ** e).astype(f32)
-        b = np.concatenate([[amax], mid, np.nextafter(mid, f32(0)), np.nextafter(mid, f32(np.inf)),
+        if dtype == BF16:  # the midpoints' bf16 neighbours
+            below = ((mid.view(np.uint32) - (1 << 16)) & 0xFFFF0000).view(f32)
+            above = ((mid.view(np.uint32) + (1 << 16)) & 0xFFFF0000).view(f32)
+        else:
+            below, above = np.nextafter(mid, f32(0)), np.nextafter(mid, f32(np.inf))
+        b = np.concatenate([[amax], mid, below, above,
                             [2.0 ** -126, -3 * 2.0 ** -126],
-                            2.0 ** (e + rng.uniform(-8, 3, 8))]).astype(f32)
+                            2.0 ** (e + rng.uniform(-8, 2.99, 8))]).astype(f32)
         b *= np.where(rng.random(32) < 0.5, f32(-1), f32(1))
+        if dtype == BF16:  # (values past bf16's largest would round to Inf)
+            b = np.clip(b, -f32(ml_dtypes.finfo(BF16).max), f32(ml_dtypes.finfo(BF16).max))
         blocks.append(b)
     x = np.concatenate(blocks)
-    x = np.concatenate([x, np.zeros(-x.size % 256, f32)]).reshape(-1, 256)
+    # rows of 1024: every lane of a warp's 512-value step has values (a lane past the row counts as a zero block)
+    x = np.concatenate([x, np.zeros(-x.size % 1024, f32)]).reshape(-1, 1024)
     x = np.concatenate([x, np.roll(x, 4 * 32)])  # the e = -127 blocks beside others in other warps too
-    assert np.isfinite(x).all()
+    x = x.astype(dtype)
+    assert np.isfinite(x.astype(f32)).all()
     want_p, want_s = ref.quantize(x, "mxfp4")
     got_p, got_s = ops.quantize(to_dev(x), "mxfp4")
     assert_same_bits(got_s.get(), want_s, "mxfp4 scales")
@@ -741,6 +752,10 @@ extern "C" __global__ void t_e2m1x8(const float* v, unsigned* out, long long n) 
         out[i] = cuep::e2m1x8_encode(w);
     }
 }
+extern "C" __global__ void t_e2m1x8_bf16(const uint4* w, const int* e, unsigned* out, long long n) {
+    const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i < n) out[i] = cuep::e2m1x8_pack_bf16(w[i], cuep::E2m1Bf16x2Pow2(e[i]));
+}
 extern "C" __global__ void t_fp8div(const float* x, const float* s, float* out, long long n) {
     const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i < n) out[i] = cuep::div_rn_by(x[i], s[i], __frcp_rn(s[i]));
@@ -751,7 +766,7 @@ extern "C" __global__ void t_fp8div(const float* x, const float* s, float* out, 
 @pytest.fixture(scope="module")
 def primitives():
     mod = cupy.RawModule(code=_PRIMITIVES_SRC, options=_kernels.compile_options())
-    return {k: mod.get_function(k) for k in ("t_silu", "t_e2m1x8", "t_fp8div")}
+    return {k: mod.get_function(k) for k in ("t_silu", "t_e2m1x8", "t_e2m1x8_bf16", "t_fp8div")}
 
 
 def _launch1d(kernel, n, *args):
@@ -785,6 +800,27 @@ def test_e2m1x8_device_matches_reference(rng, primitives):
     codes = ref.e2m1_encode(v).astype(np.uint32).reshape(-1, 8)
     want = np.bitwise_or.reduce(codes << (4 * np.arange(8, dtype=np.uint32)), axis=1)
     assert_same_bits(out.get(), want, "e2m1x8")
+
+
+@pytest.mark.gpu
+def test_e2m1x8_bf16_pairs_every_bf16_at_every_exponent(primitives):
+    """cuep::e2m1x8_pack_bf16 (mxfp4 from bf16: the lines on bf16 pairs) on every bf16 bit pattern at every e in
+    [kE2m1Bf16MinE, 125]: the reference's codes of ftz(ftz(x) * 2**-e), packed low nibble first (NaN and Inf
+    included: the float32 lines' code 7 with x's sign, as the reference)."""
+    e_min = -100  # kE2m1Bf16MinE
+    words = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.uint32).reshape(-1, 4)  # 8 bf16 a row
+    es = np.arange(e_min, 126, dtype=np.int32)
+    w = np.tile(words, (es.size, 1))
+    e = np.repeat(es, words.shape[0])
+    out = cupy.empty(w.shape[0], np.uint32)
+    _launch1d(primitives["t_e2m1x8_bf16"], w.shape[0], cupy.asarray(w), cupy.asarray(e), out)
+    x = (np.arange(1 << 16, dtype=np.uint32) << np.uint32(16)).view(np.float32)
+    pow2 = np.ldexp(np.float32(1), -es).astype(np.float32)[:, None]
+    with np.errstate(all="ignore"):
+        codes = ref.e2m1_encode(ref.ftz(ref.ftz(x)[None, :] * pow2))
+    codes = codes.astype(np.uint32).reshape(-1, 8)
+    want = np.bitwise_or.reduce(codes << (4 * np.arange(8, dtype=np.uint32)), axis=1)
+    assert_same_bits(out.get(), want, "e2m1x8 from bf16 pairs")
 
 
 @pytest.mark.gpu

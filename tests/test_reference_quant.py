@@ -193,6 +193,28 @@ def test_e2m1_pow2_device_algorithm_matches_reference():
     assert chk.check_e2m1_pow2(np.array([0.0, 2.0**-126, 1.5 * 2.0**-125], F32), -127) > 0
 
 
+def test_e2m1_bf16_pairs_algorithm_matches_reference(rng):
+    """mxfp4 from bf16 with the lines on bf16 pairs (formats/elements.cuh E2m1Bf16x2Pow2, rounded to bf16, no
+    flushing) gives the reference's code of ftz(ftz(x) * 2**-e) for every bf16 x at every e in [-100, 125] (the
+    whole of `python scripts/check_exhaustive.py e2m1bf16`), and its packing (e2m1x8_pack_bf16's byte gathers) the
+    reference's word. Below that range a subnormal x would count: at e = -126 it does, hence the kernels' float32
+    path for a warp holding such a block."""
+    chk = _exhaustive_script()
+    assert chk.run_e2m1_bf16() == 0
+    xbits = np.arange(1 << 16, dtype=np.uint32)
+    with np.errstate(all="ignore"):
+        flushed = e2m1_encode(ftz(ftz((xbits << np.uint32(16)).view(F32)) * F32(2.0**126)))
+    assert (chk.e2m1_bf16_device(xbits, -126) != flushed).any()
+    words = rng.integers(0, 2**32, (20000, 4), dtype=np.uint64).astype(np.uint32)
+    e = rng.integers(chk.E2M1_BF16_MIN_E, 126, words.shape[0])
+    x = (words.view(np.uint16).reshape(-1, 8).astype(np.uint32) << np.uint32(16)).view(F32)  # element 2i: low half
+    with np.errstate(all="ignore"):
+        codes = e2m1_encode(ftz(ftz(x) * np.ldexp(F32(1.0), -e)[:, None].astype(F32))).astype(np.uint32)
+    finite = np.isfinite(x).all(axis=1)
+    want = np.bitwise_or.reduce(codes << (4 * np.arange(8, dtype=np.uint32)), axis=1)
+    np.testing.assert_array_equal(chk.e2m1x8_pack_bf16_device(words, e)[finite], want[finite])
+
+
 def test_fp8_division_algorithm_is_the_ieee_quotient(rng):
     """The fp8 quantizer's x / s (RN(1/s), two FMA corrections, the sign of x) on 2**20 pairs of significands,
     a third of them with the quotient within a few ulps of a rounding midpoint; plus the quantizer's extremes.

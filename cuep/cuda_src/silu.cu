@@ -61,6 +61,7 @@ struct SwigluSource {
     struct Raw {
         Raw8<T> a, b;  // halves: gate, up; interleaved: values [2col, 2col + 8), [2col + 8, 2col + 16)
     };
+    static constexpr bool kRawBf16 = false;  // (the values are computed)
     static constexpr bool kBf16ByCvt = true;  // y is flushed; a NaN y may become any bf16 NaN (docs/formats.md)
     // The span of values [col0, col0 + n) of a row as contiguous byte ranges (halves: gate then up, each n values,
     // range r at byte r * I * sizeof(T) + col0 * sizeof(T) of the row; interleaved: one range of 2n values at byte

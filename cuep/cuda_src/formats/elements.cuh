@@ -159,6 +159,60 @@ __device__ __forceinline__ uint32_t e2m1x8_encode(const float (&v)[kLaneValues])
     return e2m1x8_pack(v, [](float x) { return e2m1_biased(x); });
 }
 
+// ---- mxfp4 from bf16: the e2m1 lines on bf16 pairs ---------------------------------------------------------
+// E2m1Pow2's lines on two bf16 values at once (fma.rn / min.bf16x2), for bf16 x: a = min(|x|, 6 * 2**e) is exact
+// in bf16, and each line a * 2**(1-e) + M (M = 1.5 * 2**7 = 192, bf16 ulp 1 on [128, 256), the sums at most 204) is
+// rounded once to an integer, ties to even, as in float32: the minimum's bits are bits(M) + code in each half.
+// min.bf16x2 returns the other operand for a NaN (|x| NaN: code 7, as the reference), so a NaN or Inf gives the
+// float32 lines' code. bf16 arithmetic keeps subnormals (no FTZ): a subnormal x would count |x| * 2**-e where the
+// contract flushes x to 0, so callers take this path only for e >= kE2m1Bf16MinE (then |x| * 2**-e < 2**-26: code
+// 0 either way). scripts/check_exhaustive.py e2m1bf16 emulates it for every bf16 x and every such e.
+constexpr int kE2m1Bf16MinE = -100;
+__device__ __forceinline__ uint32_t bf16x2_fma(uint32_t a, uint32_t b, uint32_t c) {
+    uint32_t d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+__device__ __forceinline__ uint32_t bf16x2_min(uint32_t a, uint32_t b) {
+    uint32_t d;
+    asm("min.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+__device__ __forceinline__ uint32_t bf16x2_max(uint32_t a, uint32_t b) {
+    uint32_t d;
+    asm("max.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+constexpr uint32_t kBf16x2Abs = 0x7FFF7FFFu;
+struct E2m1Bf16x2Pow2 {
+    uint32_t clamp, m2, m1, mh;  // both halves: 6 * 2**e, 2**(1-e), 2**-e, 2**(-1-e) (e in [kE2m1Bf16MinE, 125])
+    __device__ __forceinline__ static uint32_t both(uint32_t h) { return h | h << 16; }
+    __device__ __forceinline__ explicit E2m1Bf16x2Pow2(int e)
+        : clamp(both(uint32_t(e + 129) << 7 | 0x40u)),
+          m2(both(uint32_t(128 - e) << 7)),
+          m1(both(uint32_t(127 - e) << 7)),
+          mh(both(uint32_t(126 - e) << 7)) {}
+    // bf16 bits 0x4340 + code of each half's magnitude (x2: two bf16 values)
+    __device__ __forceinline__ uint32_t operator()(uint32_t x2) const {
+        const uint32_t a = bf16x2_min(x2 & kBf16x2Abs, clamp);
+        const uint32_t t1 = bf16x2_fma(a, m2, 0x43404340u);
+        const uint32_t t2 = bf16x2_fma(a, m1, 0x43424342u);
+        const uint32_t t3 = bf16x2_fma(a, mh, 0x43444344u);
+        return bf16x2_min(bf16x2_min(t1, t2), t3);
+    }
+};
+
+// Eight e2m1 codes of 8 bf16 values (x: their raw words, element 2i in the low half of word i) times 2**-e, packed
+// as e2m1x8_pack packs them: each code's low byte 0x40 + code gathered a byte per value (PRMT), the bias off, the
+// sign (bit 7 of each value's high byte) to bit 3, then two bytes' nibbles into one.
+__device__ __forceinline__ uint32_t e2m1x8_pack_bf16(const uint4& x, const E2m1Bf16x2Pow2& lines) {
+    uint32_t lo = __byte_perm(lines(x.x), lines(x.y), 0x6420) - 0x40404040u;  // codes of values 0..3, a byte each
+    uint32_t hi = __byte_perm(lines(x.z), lines(x.w), 0x6420) - 0x40404040u;  // values 4..7
+    lo |= __byte_perm(x.x, x.y, 0x7531) >> 4 & 0x08080808u;
+    hi |= __byte_perm(x.z, x.w, 0x7531) >> 4 & 0x08080808u;
+    return __byte_perm(lo | lo >> 4, hi | hi >> 4, 0x6420);
+}
+
 // e2m1 code (0..15) -> float32, exact (code 8 is -0.0).
 __device__ __forceinline__ float e2m1_decode(uint32_t code) {
     const uint32_t exp = code >> 1 & 3u, man = code & 1u;

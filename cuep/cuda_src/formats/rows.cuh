@@ -15,14 +15,18 @@ namespace cuep {
 // half as many lanes (fp8 8, nvfp4 1, mxfp4 2): half the block-scale work per value, fewer shuffles, and 8- or
 // 16-byte payload stores. Quantized formats have hidden % 16 == 0, so a lane's 16 values are all in or all out.
 // GScale = float (the global scale g) or Nvfp4Table (g and its per-scale-byte reciprocals; warp_quantize).
-template <int kFmt, int kN, class Sink, class GScale>
-__device__ __forceinline__ void warp_encode(const float (&v)[kN], uint8_t* dst, int col, bool valid,
-                                            const Sink& sink, GScale global_scale, int lane) {
+template <int kFmt, int kN, class Sink>
+__device__ __forceinline__ void warp_store_quantized(const QuantN<kFmt, kN>& q, uint8_t* dst, int col, bool valid,
+                                                     const Sink& sink, int lane) {
     using Scale = typename FormatTraits<kFmt>::Scale;
-    const QuantN<kFmt, kN> q = warp_quantize<kFmt, kN>(v, global_scale);
     if (valid) store_words(dst, q.payload.w);
     sink.put(lane, int(unsigned(col) / unsigned(FormatTraits<kFmt>::kBlock)), valid ? q.scale : Scale(0), q.leader,
              valid);
+}
+template <int kFmt, int kN, class Sink, class GScale>
+__device__ __forceinline__ void warp_encode(const float (&v)[kN], uint8_t* dst, int col, bool valid,
+                                            const Sink& sink, GScale global_scale, int lane) {
+    warp_store_quantized(warp_quantize<kFmt, kN>(v, global_scale), dst, col, valid, sink, lane);
 }
 
 template <bool kCvt>
@@ -45,6 +49,13 @@ template <int kFmt, int kN, class Source, class Sink, class GScale>
 __device__ __forceinline__ void warp_span_group(const Source& src, const typename Source::Raw* raw, uint8_t* dst,
                                                 int col, bool valid, const Sink& sink, GScale global_scale,
                                                 int lane) {
+    if constexpr (kFmt == kFmtMxfp4 && Source::kRawBf16) {  // bf16 pairs straight from the loads
+        uint4 x[kN / kLaneValues];
+#pragma unroll
+        for (int h = 0; h < kN / kLaneValues; ++h) x[h] = valid ? raw[h].w[0] : make_uint4(0u, 0u, 0u, 0u);
+        warp_store_quantized(warp_quantize_mxfp4_bf16<kN>(x), dst, col, valid, sink, lane);
+        return;
+    }
     float v[kN];
     if (valid) {
 #pragma unroll
