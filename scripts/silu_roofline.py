@@ -12,6 +12,9 @@ its steady-state loop iteration:
 * one iteration = the cheapest cycle H -> L -> H of the control-flow graph, weighted by instructions (Dijkstra):
   a lower bound on what one span costs, which is also the common path (rarer paths, a new row set, a group boundary,
   a span past the row's end, add instructions). Per-item work done once per several spans is not in it.
+  A kernel whose rare path has more float32 instructions than its common one shows the rare path: quantize_mxfp4_bf16
+  (its common path computes on bf16 pairs, HFMA2 / HMNMX2; a warp holding a block with e < -100 takes float32 lines)
+  reports the float32 lines.
 
 Elements per lane per iteration = the payload bytes its widest global stores write / output bytes per element.
 Per variant it prints warp instructions per 32 elements (= per-thread instructions per element) by class, and the
