@@ -49,12 +49,15 @@ template <int kFmt, int kN, class Source, class Sink, class GScale>
 __device__ __forceinline__ void warp_span_group(const Source& src, const typename Source::Raw* raw, uint8_t* dst,
                                                 int col, bool valid, const Sink& sink, GScale global_scale,
                                                 int lane) {
-    if constexpr (kFmt == kFmtMxfp4 && Source::kRawBf16) {  // bf16 pairs straight from the loads
+    if constexpr (kFmt == kFmtMxfp4 && Source::kRawBf16) {  // bf16 pairs straight from the loads, where they serve
         uint4 x[kN / kLaneValues];
 #pragma unroll
         for (int h = 0; h < kN / kLaneValues; ++h) x[h] = valid ? raw[h].w[0] : make_uint4(0u, 0u, 0u, 0u);
-        warp_store_quantized(warp_quantize_mxfp4_bf16<kN>(x), dst, col, valid, sink, lane);
-        return;
+        QuantN<kFmt, kN> q;
+        if (warp_quantize_mxfp4_bf16<kN>(x, &q)) {
+            warp_store_quantized(q, dst, col, valid, sink, lane);
+            return;
+        }
     }
     float v[kN];
     if (valid) {

@@ -290,11 +290,13 @@ __device__ __forceinline__ void f32x8_values(const uint4& a, const uint4& b, flo
     }
 }
 
-// warp_quantize<kFmtMxfp4> of kN bf16 values given as their raw words x[kN / 8] (a bf16 row's loads): the same
-// codes and scale, the e2m1 lines on bf16 pairs (E2m1Bf16x2Pow2: about half the instructions a value); if a block
-// of the warp has e < kE2m1Bf16MinE (amax < 2**-98), the float32 path for the warp. All 32 lanes, converged.
+// warp_quantize<kFmtMxfp4> of kN bf16 values given as their raw words x[kN / 8] (a bf16 row's loads), into *q:
+// the same codes and scale, the e2m1 lines on bf16 pairs (E2m1Bf16x2Pow2: about half the instructions a value).
+// Returns false, *q unset, when a block of the warp has e < kE2m1Bf16MinE (amax < 2**-98): the caller takes the
+// float32 lines (warp-uniform). All 32 lanes, converged.
 template <int kN>
-__device__ __forceinline__ QuantN<kFmtMxfp4, kN> warp_quantize_mxfp4_bf16(const uint4 (&x)[kN / kLaneValues]) {
+__device__ __forceinline__ bool warp_quantize_mxfp4_bf16(const uint4 (&x)[kN / kLaneValues],
+                                                         QuantN<kFmtMxfp4, kN>* q) {
     constexpr int kLanes = kMxfp4Block / kN;
     uint32_t m = 0u;  // |x| pairs, max.bf16x2 (a NaN gives the other operand)
 #pragma unroll
@@ -304,24 +306,13 @@ __device__ __forceinline__ QuantN<kFmtMxfp4, kN> warp_quantize_mxfp4_bf16(const 
     // float32 max.ftz of the two halves: a subnormal amax counts as 0 (E = -127 either way)
     const float amax = group_amax<kLanes>(fmaxf(__uint_as_float(m << 16), __uint_as_float(m & 0xFFFF0000u)));
     const int e = max(int(__float_as_uint(amax) >> 23 & 0xFFu) - 129, -127);
-    if (__any_sync(0xFFFFFFFFu, e < kE2m1Bf16MinE)) {
-        float v[kN];
-#pragma unroll
-        for (int h = 0; h < kN / kLaneValues; ++h) {
-            float a[kLaneValues];
-            bf16x8_values<false>(x[h], a);
-#pragma unroll
-            for (int i = 0; i < kLaneValues; ++i) v[kLaneValues * h + i] = a[i];
-        }
-        return warp_quantize<kFmtMxfp4, kN>(v, 1.0f);
-    }
-    QuantN<kFmtMxfp4, kN> q;
-    q.leader = (threadIdx.x % kLanes) == 0;
+    if (__any_sync(0xFFFFFFFFu, e < kE2m1Bf16MinE)) return false;
+    q->leader = (threadIdx.x % kLanes) == 0;
     const E2m1Bf16x2Pow2 lines(e);
 #pragma unroll
-    for (int h = 0; h < kN / kLaneValues; ++h) q.payload.w[h] = e2m1x8_pack_bf16(x[h], lines);
-    q.scale = uint8_t(e + 127);
-    return q;
+    for (int h = 0; h < kN / kLaneValues; ++h) q->payload.w[h] = e2m1x8_pack_bf16(x[h], lines);
+    q->scale = uint8_t(e + 127);
+    return true;
 }
 
 // Element types of the inputs: bf16 is carried as its bits.
