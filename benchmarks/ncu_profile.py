@@ -12,6 +12,8 @@ Each case runs in a child process under ``ncu`` (found on PATH, under $CUDA_HOME
 * decode (default): one real rank, H = 7168, K = 8, E = 256, weights at dispatch; 14 rounds of ``cuep.dispatch`` +
   ``cuep.combine``, the 11th round's two kernels profiled with the caches as the rounds left them (warm, as the
   bench's warm figures); ``--tokens`` are N per round;
+* ``--floor``: as decode, with the floor copy of each round's dispatch (``cuep.bench --floor``'s layout bytes)
+  after its combine, profiled too: DRAM bytes and throughput beside the op's;
 * ``--ops``: ``cuep.ops.fused_silu`` from bf16 (benchmarks/bench_ops.py's case: I = 7168, 8 groups), the third call
   profiled with the caches flushed (cold, as bench_ops); ``--tokens`` are rows.
 Clocks are left as they run (``--clock-control none``). Per kernel it prints the duration, instructions per warp, the
@@ -42,13 +44,16 @@ METRICS = (
     "gpu__time_duration.sum", "launch__grid_size", "launch__block_size", "launch__registers_per_thread",
     "smsp__inst_executed.sum", "sm__cycles_elapsed.avg", "smsp__cycles_active.avg",
     "smsp__issue_active.avg.pct_of_peak_sustained_active", "sm__warps_active.avg.pct_of_peak_sustained_active",
-    "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+    "dram__throughput.avg.pct_of_peak_sustained_elapsed", "dram__bytes_read.sum", "dram__bytes_write.sum",
     "sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active",
     "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active",
     "regex:" + STALL + r".*_per_issue_active\.ratio",
 )
 _HEADER = re.compile(r"^\s{2}(\S+) \((\d+), (\d+), (\d+)\)x\((\d+), (\d+), (\d+)\), Context")
-_METRIC = re.compile(r"^\s{4}([a-z][a-z0-9_.]*)\s+(?:\S+\s+)?([0-9][0-9,]*(?:\.[0-9]+)?)\s*$")
+_METRIC = re.compile(r"^\s{4}([a-z][a-z0-9_.]*)\s+(?:(\S+)\s+)?([0-9][0-9,]*(?:\.[0-9]+)?)\s*$")
+# ncu prints sizes and times in the unit it finds readable: byte metrics are kept in bytes, times in us
+_SCALE = {"byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0,
+          "us": 1.0, "msecond": 1e3, "ms": 1e3}
 
 
 @dataclass
@@ -71,7 +76,7 @@ def parse_report(text: str) -> list[KernelReport]:
             continue
         m = _METRIC.match(line)
         if m and out:
-            out[-1].metrics[m.group(1)] = float(m.group(2).replace(",", ""))
+            out[-1].metrics[m.group(1)] = float(m.group(3).replace(",", "")) * _SCALE.get(m.group(2) or "", 1.0)
     return out
 
 
@@ -95,21 +100,26 @@ def summarize(k: KernelReport, sms: int, top: int = 6) -> dict:
         "issue_busy_pct": m.get("smsp__issue_active.avg.pct_of_peak_sustained_active"),
         "issue_bound_cycles": bound_cycles, "elapsed_cycles": m["sm__cycles_elapsed.avg"],
         "of_issue_bound": bound_cycles / m["sm__cycles_elapsed.avg"],
+        "dram_pct": m.get("dram__throughput.avg.pct_of_peak_sustained_elapsed"),
+        "dram_mb": (m["dram__bytes_read.sum"] / 1e6, m["dram__bytes_write.sum"] / 1e6)
+        if "dram__bytes_read.sum" in m and "dram__bytes_write.sum" in m else None,
     }
 
 
 def format_table(rows: list[dict]) -> str:
     """The printed table: one line per launch, its case first."""
     head = (f"{'case':20s} {'kernel':36s} {'us':>8s} {'inst/warp':>10s} {'cyc/inst':>8s} {'issue %':>7s} "
-            f"{'of bound':>8s}  largest stalls (cycles per issued instruction)")
+            f"{'of bound':>8s} {'dram %':>6s} {'MB read/written':>15s}  largest stalls (cycles per issued instruction)")
     lines = [head, "-" * len(head)]
     for r in rows:
         cpi = "-" if r["cycles_per_instruction"] is None else f"{r['cycles_per_instruction']:.2f}"
         busy = "-" if r["issue_busy_pct"] is None else f"{r['issue_busy_pct']:.1f}"
         us = "-" if r["us"] is None else f"{r['us']:.2f}"
         stalls = ", ".join(f"{k} {v:.2f}" for k, v in r["stalls"].items())
+        dram = "-" if r.get("dram_pct") is None else f"{r['dram_pct']:.1f}"
+        mb = "-" if r.get("dram_mb") is None else "%.1f / %.1f" % tuple(r["dram_mb"])
         lines.append(f"{r.get('case', '')[:20]:20s} {r['kernel'][:36]:36s} {us:>8s} {r['instructions_per_warp']:10.1f} "
-                     f"{cpi:>8s} {busy:>7s} {r['of_issue_bound']:8.2f}  {stalls}")
+                     f"{cpi:>8s} {busy:>7s} {r['of_issue_bound']:8.2f} {dram:>6s} {mb:>15s}  {stalls}")
     return "\n".join(lines)
 
 
@@ -126,6 +136,9 @@ def ncu_command(ncu: str, op: str, fmt: str, n: int) -> list[str]:
     """The ncu command line profiling one case (``op`` "decode" or "silu") of this script's child mode."""
     if op == "decode":
         regex, skip, count, cache = "regex:cuep_(dispatch|combine)_local", DECODE_SKIP, 2, "none"
+    elif op == "floor":
+        regex, skip, count, cache = "regex:cuep_(dispatch|combine)_local|cuep_bench_floor_copy", DECODE_SKIP // 2 * 3, 3, \
+            "none"
     else:
         regex, skip, count, cache = f"regex:fused_silu_{fmt}_", OPS_SKIP, 1, "all"
     return [ncu, "--cache-control", cache, "--clock-control", "none", "-k", regex, "--launch-skip", str(skip),
@@ -156,8 +169,19 @@ def child(op: str, fmt: str, n: int) -> None:
     inp = make_inputs([0], n, H, K, E, n_sets=1, seed=1)  # the bench's inputs: fresh random rows and routing
     x, ids, w = inp.x[0][0], inp.ids[0][0], inp.weights[0][0]
     eo = random_bf16(cupy.random.default_rng(2), (cfg.capacity, H))
+    floor = None
+    if op == "floor":  # after each round, the floor copy of its dispatch (the output layout's bytes)
+        from cuep.bench import kernels
+        from cuep.bench.traffic import floor_bytes
+
+        fb = floor_bytes("dispatch", cfg, cupy.asnumpy(ids))
+        src, dst = cupy.cuda.Memory(fb["read"]), cupy.cuda.Memory(fb["write_layout"])
+        cupy.cuda.runtime.memset(src.ptr, 0x5B, src.size)
+        floor = lambda: kernels.floor_copy(src, dst, fb["read"], fb["write_layout"])  # noqa: E731
     for _ in range(DECODE_ROUNDS):
         cuep.combine(buf, eo, cuep.dispatch(buf, x, ids, w))
+        if floor:
+            floor()
     buf.synchronize()
     buf.close()
 
@@ -165,6 +189,8 @@ def child(op: str, fmt: str, n: int) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ops", action="store_true", help="profile cuep.ops.fused_silu instead of dispatch + combine")
+    p.add_argument("--floor", action="store_true",
+                   help="also profile, after each round, the floor copy of its dispatch (layout bytes; cuep.bench)")
     p.add_argument("--formats", nargs="+", choices=FORMATS, help="default: bf16 fp8 nvfp4 (--ops: nvfp4 mxfp4 fp8)")
     p.add_argument("--tokens", type=int, nargs="+", help="N per case (default: 1 128; --ops: 32768 rows)")
     p.add_argument("--sms", type=int, help="SMs for the issue bound (default: the GPU's, or 132 with --parse)")
@@ -185,7 +211,9 @@ def main(argv=None) -> int:
                 rows.append({"case": Path(path).stem, **summarize(k, a.sms or 132)})
         print(format_table(rows))
         return 0
-    op = "silu" if a.ops else "decode"
+    if a.ops and a.floor:
+        p.error("--floor profiles dispatch rounds; it does not go with --ops")
+    op = "silu" if a.ops else "floor" if a.floor else "decode"
     formats = a.formats or (["nvfp4", "mxfp4", "fp8"] if a.ops else ["bf16", "fp8", "nvfp4"])
     tokens = a.tokens or ([32768] if a.ops else [1, 128])
     if any(n < 1 for n in tokens):

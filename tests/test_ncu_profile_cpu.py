@@ -94,3 +94,25 @@ def test_bad_arguments_and_missing_ncu(monkeypatch, capsys):
     monkeypatch.setattr(npf, "find_ncu", missing)
     assert npf.main([]) == 2
     assert "not found" in capsys.readouterr().err
+
+
+def test_units_are_scaled_and_dram_bytes_summarized():
+    text = """  cuep_dispatch_local_mxfp4_from_bf16 (132, 1, 1)x(512, 1, 1), Context 1, Stream 7, Device 0, CC 9.0
+    Section: Command line profiler metrics
+    ---------------------------------------------------- ----------- ------------
+    Metric Name                                          Metric Unit Metric Value
+    ---------------------------------------------------- ----------- ------------
+    dram__bytes_read.sum                                       Mbyte        60.25
+    dram__bytes_write.sum                                      Gbyte         0.13
+    dram__throughput.avg.pct_of_peak_sustained_elapsed             %        71.40
+    gpu__time_duration.sum                                   msecond         0.06
+    sm__cycles_elapsed.avg                                     cycle      118,000
+    smsp__inst_executed.sum                                     inst    1,000,000
+"""
+    (k,) = npf.parse_report(text)
+    assert k.metrics["dram__bytes_read.sum"] == pytest.approx(60.25e6)
+    assert k.metrics["dram__bytes_write.sum"] == pytest.approx(0.13e9)
+    s = npf.summarize(k, 132)
+    assert s["us"] == pytest.approx(60.0) and s["dram_pct"] == pytest.approx(71.4)
+    assert s["dram_mb"] == pytest.approx((60.25, 130.0))
+    assert "60.2 / 130.0" in npf.format_table([{"case": "mxfp4 N=4096", **s}])
