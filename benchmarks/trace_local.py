@@ -96,7 +96,7 @@ LARGE_POINTS = [  # the larger round (dispatch_local_large, dispatch_local witho
     ("all counted", "barrier: every block's count in (the grid barrier)", "        if (!counted()) return;\n", "after", ""),
     ("groups scanned", "barrier: the groups' first rows (and scale tiles)", SCANNED, "after", "!kBook"),
     ("items placed", "barrier: the block's rows (and scale records) stored", PLACED, "sync-before", "!kBook"),
-    ("all noted", "(deferred scales) barrier: every block's records in", "        gather_scales<FMT>(ep, a, 0,", "before", ""),
+    ("all noted", "(deferred scales) warp 0 of the block: every warp's records in", "        gather_scales<FMT>(ep, a, 0,", "before", ""),
     ("gathered", "(deferred scales) barrier: the block's scale tiles stored", "static_cast<int>(blockIdx.x), grid_warps, lane);\n", "sync-after", ""),
 ]
 LARGE_BASE = 16  # the larger round's slots: LARGE_BASE + its point's index

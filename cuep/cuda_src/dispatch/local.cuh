@@ -8,7 +8,8 @@
 //     itself, as a small round does from its book, and places its share of the rows. A larger round whose output
 //     scales span kGatherScalesFrom bytes stores each token's scales once, in its record of the meta region, notes
 //     every row's (scale_rows, as the protocol's large rounds do) and gathers them into the output in whole lines
-//     once every block is done (blocks_barrier on C_LOCAL_NOTED, zeroed before the count's barrier).
+//     once every warp has noted its last item's (a grid-wide count on C_LOCAL_NOTED, zeroed before the count's
+//     barrier).
 // Outputs as the protocol's (rows of an expert in any order, padding, scales). Each choice's position in its group
 // goes to local_choice_pos for the one-rank combine (combine/local.cuh); the protocol's combine handle is not
 // written: a one-rank round's combine, fused or in halves, is the one-rank combine.
@@ -442,6 +443,7 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
     // the token (and its shared-expert row), with its scales; the chunk 0 item writes the rows' metadata.
     char* tokens = ep.local(ep.off_tokens);
     int* pos_out = local_choice_pos(ep);
+    bool arrived = false;  // (deferred scales) the warp's records and notes are in
     for (int item = item0; item < n_items; item += grid_warps) {
         const bool prepared = kPrepares && item == item0;  // (its weights, first vectors or encode: prepare())
         const int part = item & ((1 << lp) - 1), t = (item >> lp) / n_chunks, ch = (item >> lp) % n_chunks;
@@ -478,21 +480,12 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
         const int g = sh + e - rank * L;
         const int row = p >= 0 ? static_cast<int>(s_offsets[g]) + p : -1;
         const int srow = t - s_shared_lo;
-        for (long long b = p_lo; b < p_hi; b += Vectors::kBytes) {
-            const int n = static_cast<int>(min(static_cast<long long>(Vectors::kBytes), p_hi - b));
-            Vectors v;
-            if (kFromX && prepared && b == p_lo)
-                v = v0;
-            else
-                v.load(payload + b, n, lane);
-            for (unsigned rest = rows; rest; rest &= rest - 1)
-                v.store(tokens + __shfl_sync(0xffffffffu, row, __ffs(rest) - 1) * pb + b, n, lane);
-            if (shared) v.store(tokens + srow * pb + b, n, lane);
-        }
         if (sb && defer) {
             // the chunk's scale bytes into the token's record (whole words when the row's scales are), its rows'
-            // scale rows noted once (chunk 0). Records and the expert rows' notes are stored evict-last: the tile
-            // gather reads them back after the round's whole payload stream, which would otherwise push them out of L2.
+            // scale rows noted once (chunk 0), before its payload: the warp's last item then tells the gather it
+            // is done (arrives on C_LOCAL_NOTED) and stores its rows while the gather runs. Records and the notes
+            // are stored evict-last: the gather reads them back after the round's payload stream, which would
+            // otherwise push them out of L2.
             uint8_t* rec = local_scale_record(ep, t);
             const int s_end = last ? sb : s_hi;
             if (sb % 4 == 0) {
@@ -509,7 +502,23 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
                 }
                 if (shared && lane == 0) scale_rows(ep)[srow] = ref;
             }
-        } else if (sb) {
+            if (item + grid_warps >= n_items) {
+                warp_arrive(ep.counters() + C_LOCAL_NOTED, lane);
+                arrived = true;
+            }
+        }
+        for (long long b = p_lo; b < p_hi; b += Vectors::kBytes) {
+            const int n = static_cast<int>(min(static_cast<long long>(Vectors::kBytes), p_hi - b));
+            Vectors v;
+            if (kFromX && prepared && b == p_lo)
+                v = v0;
+            else
+                v.load(payload + b, n, lane);
+            for (unsigned rest = rows; rest; rest &= rest - 1)
+                v.store(tokens + __shfl_sync(0xffffffffu, row, __ffs(rest) - 1) * pb + b, n, lane);
+            if (shared) v.store(tokens + srow * pb + b, n, lane);
+        }
+        if (sb && !defer) {
             // the chunk's scale words (fp8 scales, fp4 k-tiles of 4) to the token's rows, a (row, word) pair per lane
             constexpr int kPerWord = FMT == kFmtFp8 ? 1 : kScaleTileCols;
             const int w_lo = s_lo / int(sizeof(S)) / kPerWord;
@@ -539,11 +548,11 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
         __syncwarp();  // the staging is reused by the warp's next item
     }
 
-    // 4. (deferred) The scales in whole lines, once every block has stored its tokens' and noted its rows'.
+    // 4. (deferred) The scales in whole lines, once every warp of the grid has stored its tokens' scale records and
+    // noted its rows' (a warp's last rows may still be in flight: the gather reads neither).
     if (defer) {
-        __shared__ int s_ok;
-        if (!blocks_barrier(ep, ep.counters() + C_LOCAL_NOTED, static_cast<int>(gridDim.x), K_DISPATCH_SEND, &s_ok))
-            return;
+        if (!arrived) warp_arrive(ep.counters() + C_LOCAL_NOTED, lane);
+        if (!warp_wait(ep, ep.counters() + C_LOCAL_NOTED, grid_warps, K_DISPATCH_SEND, lane)) return;
         gather_scales<FMT>(ep, a, 0, kTiled ? s_tiles_end : s_offsets[G], warp * static_cast<int>(gridDim.x) +
                            static_cast<int>(blockIdx.x), grid_warps, lane);
     }

@@ -24,7 +24,7 @@ enum Counter : int {
     C_CRECV_COUNT = 13,   // combine receive rounds completed
     C_LOCAL_GEN = 15,     // larger one-rank dispatch rounds (block 0 advances it once every block has read it)
     C_DONE_CRECV = 16,
-    C_LOCAL_NOTED = 17,   // blocks of a larger one-rank dispatch done noting its scale rows (zeroed before its count)
+    C_LOCAL_NOTED = 17,   // warps of a larger one-rank dispatch done noting its scale rows (zeroed before its count)
     C_CRECV_ITEM = 18,    // [2] next receive work item to claim (combine receive phase), by round parity
     C_ARRIVED_N = 20,     // [2] tokens of the last combine round of each parity (their arrival counts to re-arm)
     C_RECV_ITEM = 22,     // [2] next receive work item to claim (dispatch receive phase), by round parity

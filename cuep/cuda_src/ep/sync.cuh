@@ -173,6 +173,32 @@ __device__ __forceinline__ bool blocks_wait(const EPParams& ep, const int* count
     __syncthreads();
     return *s_ok != 0;
 }
+// The same between warps (every lane of each warp calls them): a warp arrives once its own writes are in, and waits,
+// bounded, until n warps have; then each lane acquires the count itself, so its loads after see every arrived warp's
+// writes. Blocks whose warps finish at different times need not wait for their slowest.
+__device__ __forceinline__ void warp_arrive(int* count, int lane) {
+    __syncwarp();
+    if (lane == 0) {
+        __threadfence();
+        atomicAdd(count, 1);
+    }
+}
+__device__ __forceinline__ bool warp_wait(const EPParams& ep, const int* count, int n, int kernel, int lane) {
+    int ok = 1;
+    if (lane == 0) {
+        SpinClock clock;
+        while (load_acquire_i32(count) < n) {
+            if (clock.stop(ep, kernel, -1)) {
+                ok = 0;
+                break;
+            }
+            __nanosleep(64);
+        }
+    }
+    ok = __shfl_sync(0xffffffffu, ok, 0);
+    if (ok) (void)load_acquire_i32(count);
+    return ok != 0;
+}
 __device__ __forceinline__ bool blocks_barrier(const EPParams& ep, int* count, int n_blocks, int kernel, int* s_ok) {
     blocks_arrive(count);
     return blocks_wait(ep, count, n_blocks, kernel, s_ok);
