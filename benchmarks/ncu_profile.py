@@ -5,7 +5,9 @@ warp spends per issued instruction by stall reason, how busy the issue slots are
     PYTHONPATH=. python3 benchmarks/ncu_profile.py                    # decode: one-rank dispatch + combine
     PYTHONPATH=. python3 benchmarks/ncu_profile.py --formats fp8 --tokens 1 32 --out out/ncu
     PYTHONPATH=. python3 benchmarks/ncu_profile.py --ops --formats nvfp4 mxfp4 fp8 --tokens 32768   # fused SwiGLU
+    PYTHONPATH=. python3 benchmarks/ncu_profile.py --timeline --formats mxfp4 --tokens 4096   # DRAM / L2 over time
     python3 benchmarks/ncu_profile.py --parse report.txt [--sms 132]   # a saved ncu report, no GPU
+    python3 benchmarks/ncu_profile.py --parse-timeline pm.csv          # a saved PM sampling export, no GPU
     python3 benchmarks/ncu_profile.py --dry-run                        # the ncu command lines, no GPU
 
 Each case runs in a child process under ``ncu`` (found on PATH, under $CUDA_HOME or /usr/local/cuda):
@@ -14,6 +16,10 @@ Each case runs in a child process under ``ncu`` (found on PATH, under $CUDA_HOME
   bench's warm figures); ``--tokens`` are N per round;
 * ``--floor``: as decode, with the floor copy of each round's dispatch (``cuep.bench --floor``'s layout bytes)
   after its combine, profiled too: DRAM bytes and throughput beside the op's;
+* ``--timeline``: as ``--floor``, the dispatch and its floor copy sampled over time instead (Nsight Compute's PM
+  sampling, every ``--interval-ns``): DRAM read / write, L2 and SM-to-L2 throughput and the issue rate, each as a
+  share of its peak, per sample from the kernel's first active one; a round whose reads and writes take turns
+  shows here, where the whole-kernel averages blur it;
 * ``--ops``: ``cuep.ops.fused_silu`` from bf16 (benchmarks/bench_ops.py's case: I = 7168, 8 groups), the third call
   profiled with the caches flushed (cold, as bench_ops); ``--tokens`` are rows.
 Clocks are left as they run (``--clock-control none``). Per kernel it prints the duration, instructions per warp, the
@@ -123,6 +129,93 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# PM sampling series (``--timeline``): the column whose name contains the key, shown under the label
+TIMELINE_SERIES = (("dram read", "dramc__read_throughput.avg.pct_of_peak_sustained_elapsed"),
+                   ("dram write", "dramc__write_throughput.avg.pct_of_peak_sustained_elapsed"),
+                   ("dram", "dramc__throughput.avg.pct_of_peak_sustained_elapsed"),
+                   ("l2", "lts__throughput.avg.pct_of_peak_sustained_elapsed"),
+                   ("sm->l2", "lts__t_sector_throughput_srcunit_tex.avg.pct_of_peak_sustained_elapsed"),
+                   ("issue", "sm__inst_executed_realtime.avg.pct_of_peak_sustained_elapsed"))
+_ACTIVE = "sm__cycles_active.avg"
+
+
+def _samples(cell: str) -> list[float] | None:
+    """The per-sample values of a PM sampling cell ("total (v; v; ...)"), or None for a cell without them."""
+    if "(" not in cell or not cell.endswith(")"):
+        return None
+    body = cell[cell.index("(") + 1:-1]
+    return [float(v.strip().replace(",", "")) for v in body.split(";") if v.strip()]
+
+
+def parse_timeline(text: str, interval_ns: float) -> list[dict]:
+    """Kernels of a PM sampling export (``ncu --import R --page raw --print-metric-instances values --csv``): per
+    kernel its name and, from its first to its last sample with SM cycles active, ``t_us`` (the sample's start
+    after the first, ``interval_ns`` apart) and each TIMELINE_SERIES label's values (% of peak). Raises ValueError
+    when the export lacks a series or the active cycles."""
+    import csv
+    import io
+
+    table = list(csv.reader(io.StringIO(text)))
+    head = next((i for i, r in enumerate(table) if "Kernel Name" in r), None)
+    if head is None:
+        raise ValueError("not a PM sampling export: no 'Kernel Name' column")
+    names = table[head]
+
+    def column(key: str) -> int:
+        hits = [i for i, n in enumerate(names) if n.endswith(key)]
+        if not hits:
+            raise ValueError(f"the export has no {key} column")
+        return hits[0]
+
+    cols = {label: column(key) for label, key in TIMELINE_SERIES}
+    active_col, name_col = column(_ACTIVE), names.index("Kernel Name")
+    out = []
+    for row in table[head + 1:]:
+        active = _samples(row[active_col]) if len(row) > active_col else None
+        if not active:
+            continue  # (the units row)
+        on = [i for i, v in enumerate(active) if v > 0]
+        lo, hi = (on[0], on[-1]) if on else (0, -1)
+        series = {}
+        for label, c in cols.items():
+            vals = _samples(row[c]) or []
+            series[label] = vals[lo:hi + 1]
+        out.append({"kernel": row[name_col], "t_us": [round((i - lo) * interval_ns / 1e3, 3) for i in range(lo, hi + 1)],
+                    **series})
+    return out
+
+
+def timeline_summary(k: dict) -> dict:
+    """One kernel's timeline in a few numbers: samples, mean DRAM / L2 %, and the samples with DRAM below half."""
+    dram, l2 = k["dram"], k["l2"]
+    n = len(dram)
+    return {"kernel": k["kernel"], "samples": n, "dram_mean": sum(dram) / n if n else 0.0,
+            "l2_mean": sum(l2) / n if n else 0.0, "dram_below_half": sum(1 for v in dram if v < 50)}
+
+
+def format_timeline(kernels: list[dict], case: str = "") -> str:
+    """The kernels' timelines side by side: one line per sample, "read / write / L2 / SM->L2 / issue" (% of peak)
+    per kernel, then each kernel's summary."""
+    head = f"{'t us':>6s}  " + "  ".join(f"{k['kernel'][:30]:30s}" for k in kernels)
+    lines = [f"{case}: PM samples, DRAM read / write, L2, SM->L2, issue (% of peak)" if case else "", head]
+    for i in range(max((len(k["t_us"]) for k in kernels), default=0)):
+        t = next(k["t_us"][i] for k in kernels if i < len(k["t_us"]))
+        cells = []
+        for k in kernels:
+            if i < len(k["t_us"]):
+                cells.append(f"{k['dram read'][i]:5.1f} {k['dram write'][i]:5.1f} {k['l2'][i]:5.1f} "
+                             f"{k['sm->l2'][i]:5.1f} {k['issue'][i]:5.1f}")
+            else:
+                cells.append("")
+            cells[-1] = f"{cells[-1]:30s}"
+        lines.append(f"{t:6.1f}  " + "  ".join(cells))
+    for k in kernels:
+        sm = timeline_summary(k)
+        lines.append(f"  {sm['kernel'][:40]}: {sm['samples']} samples, DRAM {sm['dram_mean']:.1f}% on average, "
+                     f"L2 {sm['l2_mean']:.1f}%, {sm['dram_below_half']} samples with DRAM below 50%")
+    return "\n".join(line for line in lines if line)
+
+
 def find_ncu() -> str:
     """The ncu executable: PATH, then $CUDA_HOME/bin, then /usr/local/cuda/bin. Raises FileNotFoundError."""
     for cand in (shutil.which("ncu"), os.path.join(os.environ.get("CUDA_HOME", ""), "bin", "ncu"),
@@ -132,18 +225,24 @@ def find_ncu() -> str:
     raise FileNotFoundError("ncu (Nsight Compute) not found on PATH, under $CUDA_HOME/bin or /usr/local/cuda/bin")
 
 
-def ncu_command(ncu: str, op: str, fmt: str, n: int) -> list[str]:
-    """The ncu command line profiling one case (``op`` "decode" or "silu") of this script's child mode."""
+def ncu_command(ncu: str, op: str, fmt: str, n: int, report: Path | None = None, interval_ns: int = 1000) -> list[str]:
+    """The ncu command line profiling one case (``op`` "decode", "floor", "timeline" or "silu") of this script's
+    child mode; "timeline" writes the PM sampling report to ``report`` (.ncu-rep)."""
     if op == "decode":
         regex, skip, count, cache = "regex:cuep_(dispatch|combine)_local", DECODE_SKIP, 2, "none"
+    elif op == "timeline":
+        regex, skip, count, cache = "regex:cuep_dispatch_local|cuep_bench_floor_copy", DECODE_SKIP, 2, "none"
     elif op == "floor":
         regex, skip, count, cache = "regex:cuep_(dispatch|combine)_local|cuep_bench_floor_copy", DECODE_SKIP // 2 * 3, 3, \
             "none"
     else:
         regex, skip, count, cache = f"regex:fused_silu_{fmt}_", OPS_SKIP, 1, "all"
+    what = ["--metrics", ",".join(METRICS)]
+    if op == "timeline":
+        what = ["--section", "PmSampling", "--pm-sampling-interval", str(interval_ns), "-f", "-o", str(report)]
     return [ncu, "--cache-control", cache, "--clock-control", "none", "-k", regex, "--launch-skip", str(skip),
-            "--launch-count", str(count), "--metrics", ",".join(METRICS),
-            sys.executable, str(Path(__file__).resolve()), "--child", op, fmt, str(n)]
+            "--launch-count", str(count), *what,
+            sys.executable, str(Path(__file__).resolve()), "--child", "floor" if op == "timeline" else op, fmt, str(n)]
 
 
 def child(op: str, fmt: str, n: int) -> None:
@@ -186,11 +285,52 @@ def child(op: str, fmt: str, n: int) -> None:
     buf.close()
 
 
+def run_timeline(ncu: str, cases: list[tuple[str, int]], out: Path | None, interval_ns: int, timeout_s: float) -> int:
+    """--timeline: per case, ncu's PM sampling of a dispatch and its floor copy, exported to CSV (kept under
+    ``out``), parsed and printed; ``ncu_timeline.json`` under ``out``."""
+    import tempfile
+
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        where = out or Path(tmp)
+        for i, (fmt, n) in enumerate(cases, 1):
+            label = f"{fmt} N={n}"
+            print(f"[ncu_profile] {i}/{len(cases)} timeline {label}", flush=True)
+            report = where / f"pm_{fmt}_{n}.ncu-rep"
+            try:
+                r = subprocess.run(ncu_command(ncu, "timeline", fmt, n, report, interval_ns), capture_output=True,
+                                   text=True, timeout=timeout_s, cwd=ROOT)
+                csv_text = subprocess.run([ncu, "--import", str(report), "--page", "raw", "--print-metric-instances",
+                                           "values", "--csv"], capture_output=True, text=True, timeout=timeout_s,
+                                          cwd=ROOT).stdout if report.exists() else ""
+            except subprocess.TimeoutExpired:
+                print(f"[ncu_profile] {label}: no result within {timeout_s} s", file=sys.stderr)
+                continue
+            try:
+                kernels = parse_timeline(csv_text, interval_ns)
+            except ValueError as e:
+                print(f"[ncu_profile] {label}: ncu rc {r.returncode}: {e}\n{r.stderr[-2000:]}", file=sys.stderr)
+                continue
+            if out:
+                (out / f"pm_{fmt}_{n}.csv").write_text(csv_text)
+                report.unlink(missing_ok=True)
+            print(format_timeline(kernels, label), flush=True)
+            results[label] = {"interval_ns": interval_ns, "kernels": kernels}
+    if out and results:
+        (out / "ncu_timeline.json").write_text(json.dumps(results))
+        print(f"wrote {out / 'ncu_timeline.json'}")
+    return 0 if results else 1
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ops", action="store_true", help="profile cuep.ops.fused_silu instead of dispatch + combine")
     p.add_argument("--floor", action="store_true",
                    help="also profile, after each round, the floor copy of its dispatch (layout bytes; cuep.bench)")
+    p.add_argument("--timeline", action="store_true",
+                   help="sample the dispatch and its floor copy over time (PM sampling): DRAM, L2, issue")
+    p.add_argument("--interval-ns", type=int, default=1000, help="PM sampling interval (default %(default)s ns)")
+    p.add_argument("--parse-timeline", nargs="+", metavar="CSV", help="print saved PM sampling exports; no GPU")
     p.add_argument("--formats", nargs="+", choices=FORMATS, help="default: bf16 fp8 nvfp4 (--ops: nvfp4 mxfp4 fp8)")
     p.add_argument("--tokens", type=int, nargs="+", help="N per case (default: 1 128; --ops: 32768 rows)")
     p.add_argument("--sms", type=int, help="SMs for the issue bound (default: the GPU's, or 132 with --parse)")
@@ -204,6 +344,12 @@ def main(argv=None) -> int:
         op, fmt, n = a.child
         child(op, fmt, int(n))
         return 0
+    if a.interval_ns < 100:
+        p.error(f"--interval-ns must be >= 100 (got {a.interval_ns})")
+    if a.parse_timeline:
+        for path in a.parse_timeline:
+            print(format_timeline(parse_timeline(Path(path).read_text(), a.interval_ns), Path(path).stem))
+        return 0
     if a.parse:
         rows = []
         for path in a.parse:
@@ -211,9 +357,9 @@ def main(argv=None) -> int:
                 rows.append({"case": Path(path).stem, **summarize(k, a.sms or 132)})
         print(format_table(rows))
         return 0
-    if a.ops and a.floor:
-        p.error("--floor profiles dispatch rounds; it does not go with --ops")
-    op = "silu" if a.ops else "floor" if a.floor else "decode"
+    if a.ops and (a.floor or a.timeline):
+        p.error("--floor and --timeline profile dispatch rounds; they do not go with --ops")
+    op = "silu" if a.ops else "timeline" if a.timeline else "floor" if a.floor else "decode"
     formats = a.formats or (["nvfp4", "mxfp4", "fp8"] if a.ops else ["bf16", "fp8", "nvfp4"])
     tokens = a.tokens or ([32768] if a.ops else [1, 128])
     if any(n < 1 for n in tokens):
@@ -228,7 +374,7 @@ def main(argv=None) -> int:
     cases = [(fmt, n) for fmt in formats for n in tokens]
     if a.dry_run:
         for fmt, n in cases:
-            print(" ".join(ncu_command(ncu, op, fmt, n)))
+            print(" ".join(ncu_command(ncu, op, fmt, n, Path(f"pm_{fmt}_{n}.ncu-rep"), a.interval_ns)))
         return 0
     sms = a.sms
     if sms is None:
@@ -238,6 +384,8 @@ def main(argv=None) -> int:
     out = Path(a.out) if a.out else None
     if out:
         out.mkdir(parents=True, exist_ok=True)
+    if op == "timeline":
+        return run_timeline(ncu, cases, out, a.interval_ns, a.timeout_s)
     rows = []
     for i, (fmt, n) in enumerate(cases, 1):
         label = f"{op} {fmt} N={n}"

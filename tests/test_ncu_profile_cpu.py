@@ -116,3 +116,36 @@ def test_units_are_scaled_and_dram_bytes_summarized():
     assert s["us"] == pytest.approx(60.0) and s["dram_pct"] == pytest.approx(71.4)
     assert s["dram_mb"] == pytest.approx((60.25, 130.0))
     assert "60.2 / 130.0" in npf.format_table([{"case": "mxfp4 N=4096", **s}])
+
+
+TIMELINE = ROOT / "docs/bench/h200x1/9fae0d8/pm_timeline_mxfp4_4096.csv"
+
+
+def test_parse_saved_timeline():
+    ks = npf.parse_timeline(TIMELINE.read_text(), interval_ns=2000)
+    assert [k["kernel"] for k in ks] == ["cuep_dispatch_local_large_mxfp4_from_bf16", "cuep_bench_floor_copy"]
+    d, f = ks
+    assert len(d["t_us"]) == 34 and len(f["t_us"]) == 27
+    assert d["t_us"][:3] == [0.0, 2.0, 4.0]
+    assert all(len(d[label]) == 34 for label, _ in npf.TIMELINE_SERIES)
+    assert d["dram read"][3] == pytest.approx(71.24) and d["dram write"][3] == pytest.approx(24.67)
+    assert max(d["l2"]) > 90 and max(f["l2"]) < 90  # the dispatch's store bursts fill L2's throughput
+    sd, sf = npf.timeline_summary(d), npf.timeline_summary(f)
+    assert sd["dram_mean"] == pytest.approx(sum(d["dram"]) / 34) and 50 < sd["dram_mean"] < sf["dram_mean"]
+    assert sd["dram_below_half"] == sum(1 for v in d["dram"] if v < 50)
+    text = npf.format_timeline(ks, "mxfp4 N=4096")
+    assert text.startswith("mxfp4 N=4096: PM samples") and "34 samples, DRAM 55.3% on average" in text
+    assert len(text.splitlines()) == 2 + 34 + 2
+
+
+def test_timeline_rejects_other_exports_and_bad_arguments(tmp_path, capsys):
+    with pytest.raises(ValueError, match="Kernel Name"):
+        npf.parse_timeline('"a","b"\n"1","2"\n', 1000)
+    with pytest.raises(ValueError, match="dramc__read_throughput"):
+        npf.parse_timeline('"ID","Kernel Name"\n"0","k"\n', 1000)
+    for argv in (["--timeline", "--ops"], ["--interval-ns", "10", "--dry-run"]):
+        with pytest.raises(SystemExit):
+            npf.main(argv)
+    assert npf.main(["--dry-run", "--timeline", "--formats", "mxfp4", "--tokens", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "--section PmSampling --pm-sampling-interval 1000" in out and "--child floor mxfp4 4096" in out
