@@ -147,11 +147,12 @@ def _samples(cell: str) -> list[float] | None:
     return [float(v.strip().replace(",", "")) for v in body.split(";") if v.strip()]
 
 
-def parse_timeline(text: str, interval_ns: float) -> list[dict]:
+def parse_timeline(text: str, interval_ns: float = 1000) -> list[dict]:
     """Kernels of a PM sampling export (``ncu --import R --page raw --print-metric-instances values --csv``): per
-    kernel its name and, from its first to its last sample with SM cycles active, ``t_us`` (the sample's start
-    after the first, ``interval_ns`` apart) and each TIMELINE_SERIES label's values (% of peak). Raises ValueError
-    when the export lacks a series or the active cycles."""
+    kernel its name, ``us`` (its duration, when exported), ``interval_us`` (the sampler's, from the export, else
+    ``interval_ns``: ncu may lengthen the interval asked for) and, from its first to its last sample with SM
+    cycles active, ``t_us`` (each sample's start after the first) and each TIMELINE_SERIES label's values (% of
+    peak). Raises ValueError when the export lacks a series or the active cycles."""
     import csv
     import io
 
@@ -169,6 +170,13 @@ def parse_timeline(text: str, interval_ns: float) -> list[dict]:
 
     cols = {label: column(key) for label, key in TIMELINE_SERIES}
     active_col, name_col = column(_ACTIVE), names.index("Kernel Name")
+    optional = {key: next((i for i, n in enumerate(names) if n == key), None)
+                for key in ("profiler__pmsampler_interval_time", "gpu__time_duration.sum")}
+
+    def number(row: list[str], key: str) -> float | None:
+        i = optional[key]
+        cell = row[i].split("(")[0].strip().replace(",", "") if i is not None and i < len(row) else ""
+        return float(cell) if cell else None
     out = []
     for row in table[head + 1:]:
         active = _samples(row[active_col]) if len(row) > active_col else None
@@ -180,8 +188,9 @@ def parse_timeline(text: str, interval_ns: float) -> list[dict]:
         for label, c in cols.items():
             vals = _samples(row[c]) or []
             series[label] = vals[lo:hi + 1]
-        out.append({"kernel": row[name_col], "t_us": [round((i - lo) * interval_ns / 1e3, 3) for i in range(lo, hi + 1)],
-                    **series})
+        step = number(row, "profiler__pmsampler_interval_time") or interval_ns / 1e3
+        out.append({"kernel": row[name_col], "us": number(row, "gpu__time_duration.sum"), "interval_us": step,
+                    "t_us": [round((i - lo) * step, 3) for i in range(lo, hi + 1)], **series})
     return out
 
 
@@ -211,8 +220,10 @@ def format_timeline(kernels: list[dict], case: str = "") -> str:
         lines.append(f"{t:6.1f}  " + "  ".join(cells))
     for k in kernels:
         sm = timeline_summary(k)
-        lines.append(f"  {sm['kernel'][:40]}: {sm['samples']} samples, DRAM {sm['dram_mean']:.1f}% on average, "
-                     f"L2 {sm['l2_mean']:.1f}%, {sm['dram_below_half']} samples with DRAM below 50%")
+        us = "" if k.get("us") is None else f"{k['us']:.1f} us, "
+        lines.append(f"  {sm['kernel'][:40]}: {us}{sm['samples']} samples of {k['interval_us']:g} us, DRAM "
+                     f"{sm['dram_mean']:.1f}% on average, L2 {sm['l2_mean']:.1f}%, {sm['dram_below_half']} samples "
+                     f"with DRAM below 50%")
     return "\n".join(line for line in lines if line)
 
 
@@ -329,7 +340,8 @@ def main(argv=None) -> int:
                    help="also profile, after each round, the floor copy of its dispatch (layout bytes; cuep.bench)")
     p.add_argument("--timeline", action="store_true",
                    help="sample the dispatch and its floor copy over time (PM sampling): DRAM, L2, issue")
-    p.add_argument("--interval-ns", type=int, default=1000, help="PM sampling interval (default %(default)s ns)")
+    p.add_argument("--interval-ns", type=int, default=1000,
+                   help="PM sampling interval asked of ncu (default %(default)s ns; it may take a longer one: H200 1.5 us)")
     p.add_argument("--parse-timeline", nargs="+", metavar="CSV", help="print saved PM sampling exports; no GPU")
     p.add_argument("--formats", nargs="+", choices=FORMATS, help="default: bf16 fp8 nvfp4 (--ops: nvfp4 mxfp4 fp8)")
     p.add_argument("--tokens", type=int, nargs="+", help="N per case (default: 1 128; --ops: 32768 rows)")

@@ -122,11 +122,12 @@ TIMELINE = ROOT / "docs/bench/h200x1/9fae0d8/pm_timeline_mxfp4_4096.csv"
 
 
 def test_parse_saved_timeline():
-    ks = npf.parse_timeline(TIMELINE.read_text(), interval_ns=2000)
+    ks = npf.parse_timeline(TIMELINE.read_text())  # (its interval, 2 us, from the export)
     assert [k["kernel"] for k in ks] == ["cuep_dispatch_local_large_mxfp4_from_bf16", "cuep_bench_floor_copy"]
     d, f = ks
     assert len(d["t_us"]) == 34 and len(f["t_us"]) == 27
-    assert d["t_us"][:3] == [0.0, 2.0, 4.0]
+    assert d["t_us"][:3] == [0.0, 2.0, 4.0] and d["interval_us"] == 2.0
+    assert d["us"] == pytest.approx(64.704) and f["us"] == pytest.approx(53.952)
     assert all(len(d[label]) == 34 for label, _ in npf.TIMELINE_SERIES)
     assert d["dram read"][3] == pytest.approx(71.24) and d["dram write"][3] == pytest.approx(24.67)
     assert max(d["l2"]) > 90 and max(f["l2"]) < 90  # the dispatch's store bursts fill L2's throughput
@@ -134,7 +135,7 @@ def test_parse_saved_timeline():
     assert sd["dram_mean"] == pytest.approx(sum(d["dram"]) / 34) and 50 < sd["dram_mean"] < sf["dram_mean"]
     assert sd["dram_below_half"] == sum(1 for v in d["dram"] if v < 50)
     text = npf.format_timeline(ks, "mxfp4 N=4096")
-    assert text.startswith("mxfp4 N=4096: PM samples") and "34 samples, DRAM 55.3% on average" in text
+    assert text.startswith("mxfp4 N=4096: PM samples") and "64.7 us, 34 samples of 2 us, DRAM 55.3% on average" in text
     assert len(text.splitlines()) == 2 + 34 + 2
 
 
