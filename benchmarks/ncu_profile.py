@@ -241,11 +241,11 @@ def ncu_command(ncu: str, op: str, fmt: str, n: int, report: Path | None = None,
     child mode; "timeline" writes the PM sampling report to ``report`` (.ncu-rep)."""
     if op == "decode":
         regex, skip, count, cache = "regex:cuep_(dispatch|combine)_local", DECODE_SKIP, 2, "none"
-    elif op == "timeline":
+    elif op == "timeline":  # (the floor child; its dispatch and floor copy match: two kernels a round)
         regex, skip, count, cache = "regex:cuep_dispatch_local|cuep_bench_floor_copy", DECODE_SKIP, 2, "none"
-    elif op == "floor":
-        regex, skip, count, cache = "regex:cuep_(dispatch|combine)_local|cuep_bench_floor_copy", DECODE_SKIP // 2 * 3, 3, \
-            "none"
+    elif op == "floor":  # (the three kernels of each round)
+        regex, skip, count = "regex:cuep_(dispatch|combine)_local|cuep_bench_floor_copy", DECODE_SKIP // 2 * 3, 3
+        cache = "none"
     else:
         regex, skip, count, cache = f"regex:fused_silu_{fmt}_", OPS_SKIP, 1, "all"
     what = ["--metrics", ",".join(METRICS)]
@@ -326,7 +326,7 @@ def run_timeline(ncu: str, cases: list[tuple[str, int]], out: Path | None, inter
                 (out / f"pm_{fmt}_{n}.csv").write_text(csv_text)
                 report.unlink(missing_ok=True)
             print(format_timeline(kernels, label), flush=True)
-            results[label] = {"interval_ns": interval_ns, "kernels": kernels}
+            results[label] = {"interval_ns_asked": interval_ns, "kernels": kernels}
     if out and results:
         (out / "ncu_timeline.json").write_text(json.dumps(results))
         print(f"wrote {out / 'ncu_timeline.json'}")
@@ -341,7 +341,7 @@ def main(argv=None) -> int:
     p.add_argument("--timeline", action="store_true",
                    help="sample the dispatch and its floor copy over time (PM sampling): DRAM, L2, issue")
     p.add_argument("--interval-ns", type=int, default=1000,
-                   help="PM sampling interval asked of ncu (default %(default)s ns; it may take a longer one: H200 1.5 us)")
+                   help="PM sampling interval asked of ncu (default %(default)s ns; ncu may lengthen it: H200 1.5 us)")
     p.add_argument("--parse-timeline", nargs="+", metavar="CSV", help="print saved PM sampling exports; no GPU")
     p.add_argument("--formats", nargs="+", choices=FORMATS, help="default: bf16 fp8 nvfp4 (--ops: nvfp4 mxfp4 fp8)")
     p.add_argument("--tokens", type=int, nargs="+", help="N per case (default: 1 128; --ops: 32768 rows)")

@@ -173,6 +173,10 @@ __device__ __forceinline__ bool blocks_wait(const EPParams& ep, const int* count
     __syncthreads();
     return *s_ok != 0;
 }
+__device__ __forceinline__ bool blocks_barrier(const EPParams& ep, int* count, int n_blocks, int kernel, int* s_ok) {
+    blocks_arrive(count);
+    return blocks_wait(ep, count, n_blocks, kernel, s_ok);
+}
 // The same between warps (every lane of each warp calls them): a warp arrives once its own writes are in, and waits,
 // bounded, until n warps have; then each lane acquires the count itself, so its loads after see every arrived warp's
 // writes. Blocks whose warps finish at different times need not wait for their slowest.
@@ -198,10 +202,6 @@ __device__ __forceinline__ bool warp_wait(const EPParams& ep, const int* count, 
     ok = __shfl_sync(0xffffffffu, ok, 0);
     if (ok) (void)load_acquire_i32(count);
     return ok != 0;
-}
-__device__ __forceinline__ bool blocks_barrier(const EPParams& ep, int* count, int n_blocks, int kernel, int* s_ok) {
-    blocks_arrive(count);
-    return blocks_wait(ep, count, n_blocks, kernel, s_ok);
 }
 
 }  // namespace cuep
