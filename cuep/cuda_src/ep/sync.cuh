@@ -144,6 +144,18 @@ __device__ __forceinline__ bool last_block_done(int* done, int* s_flag) {
     return *s_flag != 0;
 }
 
+// One thread spins until *count >= n (acquire), sleeping sleep_ns between polls; false on timeout (recorded as
+// (kernel, expert=-1)).
+__device__ __forceinline__ bool spin_count_reaches(const EPParams& ep, const int* count, int n, int kernel,
+                                                   unsigned sleep_ns) {
+    SpinClock clock;
+    while (load_acquire_i32(count) < n) {
+        if (clock.stop(ep, kernel, -1)) return false;
+        __nanosleep(sleep_ns);
+    }
+    return true;
+}
+
 // Grid barrier of the n_blocks blocks that call it (all threads; the blocks must be resident together, as an EP
 // launch's one block per SM is): each arrives on *count (zeroed a round ahead by its owner), then waits, bounded,
 // for all. The fences order every block's writes before the barrier with every block's reads after it. In two
@@ -158,15 +170,7 @@ __device__ __forceinline__ void blocks_arrive(int* count) {
 __device__ __forceinline__ bool blocks_wait(const EPParams& ep, const int* count, int n_blocks, int kernel,
                                             int* s_ok) {
     if (threadIdx.x == 0) {
-        int ok = 1;
-        SpinClock clock;
-        while (load_acquire_i32(count) < n_blocks) {
-            if (clock.stop(ep, kernel, -1)) {
-                ok = 0;
-                break;
-            }
-            __nanosleep(32);
-        }
+        const bool ok = spin_count_reaches(ep, count, n_blocks, kernel, 32);
         __threadfence();
         *s_ok = ok;
     }
@@ -188,17 +192,7 @@ __device__ __forceinline__ void warp_arrive(int* count, int lane) {
     }
 }
 __device__ __forceinline__ bool warp_wait(const EPParams& ep, const int* count, int n, int kernel, int lane) {
-    int ok = 1;
-    if (lane == 0) {
-        SpinClock clock;
-        while (load_acquire_i32(count) < n) {
-            if (clock.stop(ep, kernel, -1)) {
-                ok = 0;
-                break;
-            }
-            __nanosleep(64);
-        }
-    }
+    int ok = lane == 0 ? spin_count_reaches(ep, count, n, kernel, 64) : 1;
     ok = __shfl_sync(0xffffffffu, ok, 0);
     if (ok) (void)load_acquire_i32(count);
     return ok != 0;
