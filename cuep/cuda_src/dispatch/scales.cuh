@@ -176,11 +176,42 @@ __device__ __forceinline__ uint32_t scale_ref(const EPParams& ep, const uint8_t*
 // counts each group's padded tiles, 3.7 MB for mxfp4 at N = 512).
 constexpr long long kGatherScalesFrom = 2 << 20;
 
+// Lane pairs (lanes 2i and 2i + 1) reading 32 bytes at byte `off` of each of their two rows' scales (ref: the lane's
+// own row's, kPadScales: none, read as zero; 16-byte aligned): each lane half `lane & 1` of both rows, so that every
+// request asks L2 for whole 32-byte sectors (a lane reading both halves of its own row asked twice for each); `load`
+// false: zeros. pair_swap then gives each lane its own row's 32 bytes: the pair swaps the halves that belong to the
+// other lane.
+struct PairHalves {
+    uint4 even, odd;  // half lane & 1 of the even lane's row, of the odd lane's row
+};
+__device__ __forceinline__ PairHalves pair_load(const uint8_t* base, uint32_t ref, long long off, bool load, int lane) {
+    const int odd = lane & 1;
+    const uint32_t ref_pair = __shfl_xor_sync(0xffffffffu, ref, 1);
+    const uint32_t ref_even = odd ? ref_pair : ref, ref_odd = odd ? ref : ref_pair;
+    PairHalves h{make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u)};
+    if (load && ref_even != kPadScales) h.even = __ldcg(reinterpret_cast<const uint4*>(base + 4LL * ref_even + off) + odd);
+    if (load && ref_odd != kPadScales) h.odd = __ldcg(reinterpret_cast<const uint4*>(base + 4LL * ref_odd + off) + odd);
+    return h;
+}
+__device__ __forceinline__ void pair_swap(const PairHalves& h, int lane, uint32_t* words) {
+    const int odd = lane & 1;
+    const uint4 keep = odd ? h.odd : h.even, give = odd ? h.even : h.odd;
+    uint4 got;
+    got.x = __shfl_xor_sync(0xffffffffu, give.x, 1);
+    got.y = __shfl_xor_sync(0xffffffffu, give.y, 1);
+    got.z = __shfl_xor_sync(0xffffffffu, give.z, 1);
+    got.w = __shfl_xor_sync(0xffffffffu, give.w, 1);
+    const uint4 first = odd ? got : keep, second = odd ? keep : got;
+    words[0] = first.x, words[1] = first.y, words[2] = first.z, words[3] = first.w;
+    words[4] = second.x, words[5] = second.y, words[6] = second.z, words[7] = second.w;
+}
+
 // Output rows [lo, hi) (fp8) or scale tiles [lo, hi) (fp4) from the messages' scales, warp w of n_warps taking
 // every n_warps-th piece, every load of a piece issued before its stores. fp8: a piece is 32 rows, lane l row
 // 32 p + l, its scales 16 at a time (four 16-byte loads), scale b of the 32 rows stored as one 128-byte line. fp4:
-// a piece is a 128-row scale tile and 8 k-tiles; lane l takes rows l, l + 32, l + 64, l + 96, 4 words (16 bytes)
-// of each row a load, and stores bytes 16 l .. 16 l + 15 of each (tile, kt) 512-byte block. Loads bypass L1 (peers
+// a piece is a 128-row scale tile and 8 k-tiles; lane l takes rows l, l + 32, l + 64, l + 96 and stores bytes
+// 16 l .. 16 l + 15 of each (tile, kt) 512-byte block; the rows are read by lane pairs (pair_load) where every row of
+// the piece is 16-byte aligned with whole words of scales, else each lane reads its own. Loads bypass L1 (peers
 // wrote the messages).
 template <int FMT>
 __device__ void gather_scales(const EPParams& ep, const DispatchArgs& a, unsigned lo, unsigned hi, int warp, int n_warps,
@@ -226,31 +257,46 @@ __device__ void gather_scales(const EPParams& ep, const DispatchArgs& a, unsigne
         constexpr int kKt = 8;
         const int k_tiles = static_cast<int>(ep.k_tiles), n_kg = (k_tiles + kKt - 1) / kKt;
         const bool whole_words = n_scales % 4 == 0;  // else the last word of a row has bytes past the scales
+        const int odd = lane & 1;
+        auto aligned = [](uint32_t ref) { return ref == kPadScales || ref % 4 == 0; };  // 16-byte aligned rows
         for (long long item = warp; item < static_cast<long long>(hi - lo) * n_kg; item += n_warps) {
             const long long T = lo + item / n_kg;
             const int kt0 = static_cast<int>(item % n_kg) * kKt;
-            uint32_t v[4][kKt];
+            uint32_t ref[4], v[4][kKt];
+            bool vec = whole_words;
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
-                const uint32_t ref = rows[T * kScaleTileRows + lane + 32 * q];
-                const uint8_t* src = base + 4LL * ref;
+                ref[q] = rows[T * kScaleTileRows + lane + 32 * q];
+                vec = vec && aligned(ref[q]);
+            }
+            if (__all_sync(0xffffffffu, vec)) {
+                PairHalves h[4];
 #pragma unroll
-                for (int k = 0; k < kKt; ++k) v[q][k] = 0u;
-                if (ref == kPadScales) continue;
-                if (whole_words && ref % 4 == 0) {  // 16-byte aligned rows
+                for (int q = 0; q < 4; ++q) h[q] = pair_load(base, ref[q], 4LL * kt0, kt0 + 4 * odd < k_tiles, lane);
 #pragma unroll
-                    for (int j = 0; j < kKt / 4; ++j)
-                        if (kt0 + 4 * j < k_tiles) {
-                            const uint4 w = __ldcg(reinterpret_cast<const uint4*>(src) + kt0 / 4 + j);
-                            v[q][4 * j] = w.x, v[q][4 * j + 1] = w.y, v[q][4 * j + 2] = w.z, v[q][4 * j + 3] = w.w;
-                        }
-                } else {
+                for (int q = 0; q < 4; ++q) pair_swap(h[q], lane, v[q]);
+            } else {
 #pragma unroll
-                    for (int k = 0; k < kKt; ++k)
-                        for (int i = 0; i < kScaleTileCols; ++i) {
-                            const int c = (kt0 + k) * kScaleTileCols + i;
-                            if (kt0 + k < k_tiles && c < n_scales) v[q][k] |= uint32_t(__ldcg(src + c)) << (8 * i);
-                        }
+                for (int q = 0; q < 4; ++q) {
+                    const uint8_t* src = base + 4LL * ref[q];
+#pragma unroll
+                    for (int k = 0; k < kKt; ++k) v[q][k] = 0u;
+                    if (ref[q] == kPadScales) continue;
+                    if (whole_words && ref[q] % 4 == 0) {
+#pragma unroll
+                        for (int j = 0; j < kKt / 4; ++j)
+                            if (kt0 + 4 * j < k_tiles) {
+                                const uint4 w = __ldcg(reinterpret_cast<const uint4*>(src) + kt0 / 4 + j);
+                                v[q][4 * j] = w.x, v[q][4 * j + 1] = w.y, v[q][4 * j + 2] = w.z, v[q][4 * j + 3] = w.w;
+                            }
+                    } else {
+#pragma unroll
+                        for (int k = 0; k < kKt; ++k)
+                            for (int i = 0; i < kScaleTileCols; ++i) {
+                                const int c = (kt0 + k) * kScaleTileCols + i;
+                                if (kt0 + k < k_tiles && c < n_scales) v[q][k] |= uint32_t(__ldcg(src + c)) << (8 * i);
+                            }
+                    }
                 }
             }
             uint8_t* out = static_cast<uint8_t*>(a.scales_out) + (T * k_tiles + kt0) * kScaleTileBytes + lane * 16;
