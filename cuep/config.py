@@ -82,6 +82,9 @@ class EPConfig:
                              f"one node's NVLink domain holds here")
         fmt = get_format(self.dispatch_format, "dispatch_format")
         check_hidden(fmt, self.hidden)
+        if fmt.payload_bytes(self.hidden) % 16:  # (nvfp4 at an odd multiple of 16: a misaligned address on the GPU)
+            raise ValueError(f"hidden={self.hidden} must be a multiple of 32 for dispatch_format={fmt.name!r}: a "
+                             f"dispatched row ({fmt.payload_bytes(self.hidden)} bytes) is stored in 16-byte vectors")
         if self.n_experts % self.n_ranks:
             raise ValueError(f"n_experts={self.n_experts} must be a multiple of the number of ranks "
                              f"{self.n_ranks} (n_gpus_per_node x n_nodes) so experts split evenly")

@@ -25,6 +25,8 @@ STD = dict(hidden=256, top_k=2, n_experts=8, max_tokens_per_rank=16, n_gpus_per_
     (dict(hidden=256.0), ValueError, r"hidden=256\.0 must be a positive int"),
     (dict(hidden=100), ValueError, r"hidden=100 must be a positive multiple of 8 \(the group of format 'bf16'\)"),
     (dict(hidden=192, dispatch_format="fp8"), ValueError, r"hidden=192 must be a positive multiple of 128"),
+    (dict(hidden=272, dispatch_format="nvfp4"), ValueError,
+     r"hidden=272 must be a multiple of 32 for dispatch_format='nvfp4': a dispatched row \(136 bytes\)"),
     (dict(top_k=0), ValueError, r"top_k=0 must be a positive int"),
     (dict(top_k=9), ValueError, r"top_k=9 must be <= n_experts=8"),
     (dict(n_experts=7), ValueError, r"n_experts=7 must be a multiple of the number of ranks 2"),
