@@ -28,7 +28,8 @@ class EPConfig:
     """Sizes and formats of one expert-parallel group; every derived size lives here.
 
     Args:
-        hidden: H, values per token row.
+        hidden: H, values per token row; a multiple of 8 (bf16), 128 (fp8) or 32 (nvfp4, mxfp4): rows of whole
+            16-byte vectors and scale blocks.
         top_k: K, experts per token.
         n_experts: E, routed experts in the whole group; split evenly and contiguously over the ranks
             (expert ``e`` lives on rank ``e // n_local_experts`` as local expert ``e % n_local_experts``).
