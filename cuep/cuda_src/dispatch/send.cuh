@@ -38,9 +38,9 @@ struct ChunkBytes {
 // N = 4096 on an H100, per-block trace: the next step's prefetch cut the early whole-token encode from 15.3 to
 // 14.9 us and the round by about 1 us in every quantized format; the whole chunk prefetched up front instead made
 // that encode 3 us slower, its requests queued ahead of the loads.)
-template <int FMT, typename T>
+template <int FMT, typename T, class GScale>
 __device__ __forceinline__ void encode_chunk(const T* x_row, int c_lo, int c_hi, int H, uint8_t* s_payload,
-                                             uint8_t* s_scales, float global_scale, int lane) {
+                                             uint8_t* s_scales, GScale global_scale, int lane) {
     using S = typename FormatTraits<FMT>::Scale;
     const RowSource<T, FMT != kFmtBf16> src{x_row};
     const RowScales<S> row_scales{reinterpret_cast<S*>(s_scales)};

@@ -122,10 +122,10 @@ __device__ __forceinline__ void warp_encode_span(const Source& src, const typena
 // prefetch_next: this warp quantizes the next span of the row (col0 + kSteps * 256 ...) next: each lane asks L2
 // for its values of it now (one prefetch per 8- or 16-value group, after this span's loads; lanes past the row's
 // end ask for nothing).
-template <int kFmt, int kSteps, class Source, class Sink>
+template <int kFmt, int kSteps, class Source, class Sink, class GScale>
 __device__ __forceinline__ void warp_quantize_span(const Source& src, int col0, int hidden,
                                                    uint8_t* __restrict__ payload_row, const Sink& sink,
-                                                   float global_scale, int lane, bool prefetch_next = false) {
+                                                   GScale global_scale, int lane, bool prefetch_next = false) {
     using L = SpanLayout<kFmt, kSteps>;
     const int col_l = col0 + lane * L::kN;  // this lane's first value
     const Source lsrc = src.at(col_l);      // this lane's values: the loads below take immediate offsets
