@@ -293,7 +293,7 @@ __device__ void dispatch_local(const EPParams& ep, const DispatchArgs& a, char* 
     constexpr bool kFromX = FMT == kFmtBf16 && sizeof(T) == 2;  // the payload is x itself
     // A larger nvfp4 round's blocks read their multiplier r from the table its kernel filled (`nvfp4_r`,
     // Nvfp4Table) instead of computing it (about ten instructions a 16-value block): H200 A/B, cold, N = 1024 ..
-    // 8192 0.983-0.993x. (A small round's first encode runs before any barrier could publish a table.)
+    // 8192, two runs, 0.983x-0.999x. (A small round's first encode runs before any barrier could publish a table.)
     auto encode = [&](const T* x_row, int c_lo, int c_hi) {
         if constexpr (FMT == kFmtNvfp4 && !kBook)
             encode_chunk<FMT, T>(x_row, c_lo, c_hi, H, s_payload, s_scales, Nvfp4Table{a.global_scale, nvfp4_r},

@@ -37,7 +37,8 @@ struct ChunkBytes {
 // waiting on each load), each step asking L2 for the next one while it encodes, then one at a time. (One-rank
 // N = 4096 on an H100, per-block trace: the next step's prefetch cut the early whole-token encode from 15.3 to
 // 14.9 us and the round by about 1 us in every quantized format; the whole chunk prefetched up front instead made
-// that encode 3 us slower, its requests queued ahead of the loads.)
+// that encode 3 us slower, its requests queued ahead of the loads.) global_scale: g (float), or g with nvfp4's
+// multiplier per scale byte (Nvfp4Table).
 template <int FMT, typename T, class GScale>
 __device__ __forceinline__ void encode_chunk(const T* x_row, int c_lo, int c_hi, int H, uint8_t* s_payload,
                                              uint8_t* s_scales, GScale global_scale, int lane) {
