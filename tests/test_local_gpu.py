@@ -90,8 +90,8 @@ def test_larger_local_rounds(fmt, rng):
                                          ("nvfp4", 7200), ("mxfp4", 7200)])
 def test_larger_local_rounds_gather_scales(fmt, hidden, rng):
     # output scales of 2 MiB and more (dispatch/scales.cuh kGatherScalesFrom): each token's scales stored once, every
-    # row's noted, gathered into the layout in whole lines after a barrier of the blocks; rounds in a row (the
-    # barrier's counter re-armed), a shared expert, skewed routing, float32 input, then a small round and one under
+    # row's noted, gathered into the layout in whole lines once every warp of the grid has noted its rows; rounds
+    # in a row (that count re-armed), a shared expert, skewed routing, float32 input, then a small round and one under
     # the gather's size on the same buffer. Rows of 57 fp8 scales (7296) and of 450 / 225 fp4 scale bytes (7200) are
     # not whole 16-byte loads / 4-byte words: the gather's word- and byte-wise paths
     cfg, buf = make(dispatch_format=fmt, hidden=hidden, n_experts=32, max_tokens_per_rank=1600, small_batch_tokens=16,
