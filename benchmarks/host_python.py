@@ -102,8 +102,9 @@ def cases(pkg) -> dict:
     ep, ops, kernels, params, buffer, config = (importlib.import_module(f"{name}.{m}") for m in (
         "ep", "ops", "_kernels", "params", "buffer", "config"))
     ep._cupy, ep._ND, ops._cupy, ops._ND = STAND_IN_CUPY, StandIn, STAND_IN_CUPY, StandIn
-    if hasattr(ep, "_runtime"):
-        ep._runtime = StandInRuntime
+    for mod in (ep, ops):
+        if hasattr(mod, "_runtime"):
+            mod._runtime = StandInRuntime
     kernels._launch_raw = lambda *a: None
     fn = types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=1))
     ep._kernel = lambda kernel_name, smem: fn

@@ -368,8 +368,10 @@ class PreparedLaunch:
 _cuda = None  # (driver.launchKernel, cupy.cuda.get_current_stream, CUDADriverError), bound on first launch
 
 
-def _launch_raw(func: int, grid: int, block: int, smem: int, argv_ptr: int, stream: int | None = None) -> None:
-    """``cuLaunchKernel`` on ``stream`` (a handle; None: CuPy's current stream)."""
+def _launch_raw(func: int, grid: int, block: int, smem: int, argv_ptr: int, stream: int | None = None,
+                device: int = -1) -> None:
+    """``cuLaunchKernel`` on ``stream`` (a handle; None: CuPy's current stream of ``device``, which must be the
+    current device: a caller that already asked which one saves CuPy asking the runtime again; -1: ask)."""
     global _cuda
     if _cuda is None:
         import cupy
@@ -378,7 +380,7 @@ def _launch_raw(func: int, grid: int, block: int, smem: int, argv_ptr: int, stre
         _cuda = (driver.launchKernel, cupy.cuda.get_current_stream, driver.CUDADriverError)
     launch, current, error = _cuda
     if stream is None:
-        stream = current().ptr
+        stream = current(device).ptr
     try:
         launch(func, grid, 1, 1, block, 1, 1, smem, stream, argv_ptr, 0)
     except error:

@@ -40,6 +40,7 @@ _THREADS = 512
 _F32 = np.dtype(np.float32)
 _I32 = np.dtype(np.int32)
 _F32S, _I32S = (_F32,), (_I32,)
+_new_object = object.__new__
 
 _cupy = None
 _ND = None  # cupy.ndarray, bound with the module by _cp()
@@ -399,8 +400,8 @@ class _Host:
     __slots__ = ("names", "orders", "launches", "hidden", "top_k", "max_tokens", "capacity", "fmt", "cdt",
                  "combine_suffix", "where", "views", "one_rank", "small", "chunks", "combine_chunks",
                  "offsets_smem", "results", "plans", "combine_names", "combine_wide", "devices", "x_dtypes", "cdts",
-                 "split_fits", "ipc", "recv_name", "single", "status", "torch_results", "torch_views", "steps",
-                 "combine_steps")
+                 "split_fits", "ipc", "recv_name", "recv_launch", "single", "status", "torch_results",
+                 "torch_views", "steps", "combine_steps")
 
     def __init__(self, buf: Buffer):
         cfg = buf.cfg
@@ -419,6 +420,7 @@ class _Host:
         self.x_dtypes, self.cdts = (_bf16(), _F32), (self.cdt,)
         self.ipc = buf.group.kind == "ipc"  # one process per rank: host barriers around launches (_before_launch)
         self.recv_name = f"dispatch.cu:cuep_dispatch_{self.fmt}_from_bf16"  # dispatch_wait's kernel
+        self.recv_launch = None  # its prepared launch on a one-rank buffer (_dispatch_wait_single)
         # the calls' short path (_dispatch_single): one local rank of a one-node group, one launch per call
         self.single = len(buf._ranks) == 1 and buf._ranks[0].node is None and not (
             buf.group.shares_devices or buf.group.phase_barrier)
@@ -678,10 +680,15 @@ def _dispatch_single(buf, x, topk_ids, topk_weights, global_scale, phases: int):
     """A dispatch call's common case in few steps, the same launch as :func:`_dispatch`: one local rank (bare
     arrays, the rank's device current), an open buffer with no failure and nothing pending, arguments right and a
     launch already prepared. Returns the :class:`Dispatched`, or None (nothing done) for :func:`_dispatch`, which
-    handles every other case and raises with a message."""
-    host = _single_host(buf)
-    if host is None or buf._rounds["pending"] is not None or type(x) is not _ND \
-            or x.ndim != 2 or type(global_scale) is not float \
+    handles every other case and raises with a message. (One function, few attribute reads: every Python call
+    and lookup here is part of the call's host cost.)"""
+    if type(buf) is not Buffer or buf._closed:
+        return None
+    host = buf._launch_cache.get("host")
+    if host is None or not host.single or host.status[0] or buf._host_error is not None:
+        return None
+    rounds = buf._rounds
+    if rounds["pending"] is not None or type(x) is not _ND or type(global_scale) is not float \
             or not GLOBAL_SCALE_MIN <= global_scale <= GLOBAL_SCALE_MAX:
         return None
     n, dev, w = len(x), host.devices[0], topk_weights
@@ -690,9 +697,30 @@ def _dispatch_single(buf, x, topk_ids, topk_weights, global_scale, phases: int):
     wp = _rows_ptr(w, n, host.top_k, _F32S, dev, 3) if ip and w is not None else 0
     if not ip or w is not None and not wp:
         return None
-    dt, bf16 = x.dtype, host.x_dtypes[0]
-    return _dispatch_single_launch(buf, host, phases, "bf16" if dt is bf16 or dt == bf16 else "f32", n, None,
-                                   xp, ip, wp, global_scale, topk_ids, w is not None)
+    dt = x.dtype
+    src = "bf16" if dt is host.x_dtypes[0] or dt == host.x_dtypes[0] else "f32"
+    steps = host.steps.get((phases, src))
+    step = steps[n] if steps is not None else None
+    if step is None:
+        step = _dispatch_step(buf, host, phases, src, n)
+        if step is None:
+            return None
+    launch, ph, chunks, local = step
+    if (not local and host.ipc and "dispatch.cu" not in buf._launched) or _runtime.getDevice() != dev:
+        return None
+    seq = rounds["dispatches"] + 1
+    # the Dispatched, filled in place (half the time of calling its dataclass __init__ with 13 arguments)
+    d = _new_object(Dispatched)
+    d.tokens, d.scales, d.row_offsets, d.expert_ids, d.src_info, d.scales_offsets, d.rank = host.results[0]
+    d.num_tokens, d._topk_ids, d._has_weights, d._buffer, d._seq, d._torch = n, topk_ids, w is not None, buf, seq, False
+    # launch.launch_call(...) without its call: the call's span packed, then the launch
+    launch.call.pack_into(launch.raw, launch.call_offset, xp, ip, wp, n, global_scale, ph, chunks)
+    _kernels._launch_raw(launch.func, buf.num_sms, launch.block, launch.smem, launch.argv_ptr, None, dev)
+    rounds["local"] = local
+    rounds["dispatches"] = seq
+    if not phases & PHASE_RECV:
+        rounds["pending"] = ("dispatch", seq)
+    return d
 
 
 def _chunk_plan(host, src: str, n: int, route: int) -> int:
@@ -868,20 +896,28 @@ def _dispatch_wait_single(pending, torch: bool):
     if type(pending) is not Dispatched or bool(pending._torch) != torch:
         return NotImplemented
     buf = pending._buffer
-    host = _single_host(buf)
-    if host is None or host.ipc or _pending_in_order([pending]) is None:
+    if type(buf) is not Buffer or buf._closed:
         return NotImplemented
-    dev = host.devices[0]
-    threads, smem = _dispatch_launch(buf, False)
-    launch = host.launches.get((0, host.recv_name, smem))
-    if launch is None or _runtime.getDevice() != dev:
+    host = buf._launch_cache.get("host")
+    if host is None or not host.single or host.status[0] or buf._host_error is not None or host.ipc:
         return NotImplemented
-    values = (0, 0, 0, pending.num_tokens, 1.0, PHASE_RECV, 0)
+    rounds = buf._rounds
+    p = rounds["pending"]
+    if p is None or p[0] != "dispatch" or pending._seq != p[1] or pending.rank != host.results[0][6]:
+        return NotImplemented
+    launch = host.recv_launch
+    if launch is None:  # (the receive kernel's launch, prepared by the first dispatch_wait)
+        launch = host.recv_launch = host.launches.get((0, host.recv_name, _dispatch_launch(buf, False)[1]))
+    if launch is None or _runtime.getDevice() != host.devices[0]:
+        return NotImplemented
     if torch:
-        launch.launch_call_on(torch_bindings().stream(dev), buf.num_sms, *values)
-    else:
-        launch.launch_call(buf.num_sms, *values)
-    buf._rounds["pending"] = None
+        launch.launch_call_on(torch_bindings().stream(host.devices[0]), buf.num_sms, 0, 0, 0, pending.num_tokens, 1.0,
+                              PHASE_RECV, 0)
+    else:  # (launch.launch_call without its call, as in _dispatch_single)
+        launch.call.pack_into(launch.raw, launch.call_offset, 0, 0, 0, pending.num_tokens, 1.0, PHASE_RECV, 0)
+        _kernels._launch_raw(launch.func, buf.num_sms, launch.block, launch.smem, launch.argv_ptr, None,
+                             host.devices[0])
+    rounds["pending"] = None
     return pending
 
 
@@ -1179,12 +1215,14 @@ def _combine_single(buf, expert_out, dispatched, topk_weights, residual, phases:
     :func:`_dispatch_single`): one local rank, the latest dispatch's result, right arguments, the round half in
     order, the output view and the launch already made. Returns the output, or None (nothing done) for
     :func:`_combine`."""
-    host = _single_host(buf)
-    if host is None:
+    if type(buf) is not Buffer or buf._closed:
+        return None
+    host = buf._launch_cache.get("host")
+    if host is None or not host.single or host.status[0] or buf._host_error is not None:
         return None
     rounds, d, eo, w, rs = buf._rounds, dispatched, expert_out, topk_weights, residual
-    if type(d) is not Dispatched or d._buffer is not buf or d._torch \
-            or d._seq != rounds["dispatches"] or type(eo) is not _ND or eo.ndim != 2:
+    if type(d) is not Dispatched or d._buffer is not buf or d._torch or d._seq != rounds["dispatches"] \
+            or type(eo) is not _ND:
         return None
     rows, N, dev, cdts = len(eo), d.num_tokens, host.devices[0], host.cdts
     eo_ptr = _rows_ptr(eo, rows, host.hidden, cdts, dev, 15) if rows >= host.capacity else 0
@@ -1194,10 +1232,27 @@ def _combine_single(buf, expert_out, dispatched, topk_weights, residual, phases:
     if not eo_ptr or w is not None and not wp or rs is not None and not rp:
         return None
     mode = MODE_WEIGHTED if w is not None else MODE_PARTIAL if d._has_weights else MODE_UNREDUCED
-    out = host.views.get((0, mode, N)) if _combine_half_in_order(rounds, phases, mode, eo_ptr) else None
-    if out is None or not _combine_single_launch(buf, host, phases, mode, None, eo_ptr, _ptr(d._topk_ids), wp, rp,
-                                                 out.data.ptr, N):
+    p = rounds["pending"]
+    if phases == PHASE_RECV:  # a second half after its own first half (the same mode and expert_out)
+        if p is None or p[0] != "combine" or p[2] != [mode] or p[3] != [eo_ptr]:
+            return None
+    elif p is not None:  # a fused call or a first half: nothing pending
         return None
+    out = host.views.get((0, mode, N))
+    if out is None:
+        return None
+    step = host.combine_steps.get((phases, mode, N, rounds["local"]))
+    if step is None or step[0] is None:  # (the first call of a key, or a one-rank round's first half)
+        return out if _combine_single_launch(buf, host, phases, mode, None, eo_ptr, _ptr(d._topk_ids), wp, rp,
+                                             out.data.ptr, N) else None
+    launch, ph, chunks = step
+    if (host.ipc and "combine.cu" not in buf._launched) or _runtime.getDevice() != dev:
+        return None
+    launch.call.pack_into(launch.raw, launch.call_offset, eo_ptr, d._topk_ids.data.ptr, wp, rp, out.data.ptr, N,
+                          mode, ph, chunks)  # (launch.launch_call without its call, as in _dispatch_single)
+    _kernels._launch_raw(launch.func, buf.num_sms, launch.block, launch.smem, launch.argv_ptr, None, dev)
+    rounds["pending"] = ("combine", rounds["dispatches"], [mode], [eo_ptr]) if phases == PHASE_NOTIFY | PHASE_SEND \
+        else None
     return out
 
 

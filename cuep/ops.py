@@ -12,10 +12,14 @@ from __future__ import annotations
 
 # cupy is imported inside the functions that use it (as in buffer.py and ep.py): `import cuep` stays cheap and
 # loads no CUDA library.
+import math
+
 import ml_dtypes
 import numpy as np
 
 from . import _kernels
+from . import ep as _ep
+from .ep import _rows_ptr
 from .params import c_contiguous
 from .interop import tensor_ptr, torch_aware, torch_bindings
 from .formats import (FORMATS, GLOBAL_SCALE_MAX, GLOBAL_SCALE_MIN, SCALE_TILE_BYTES, SCALE_TILE_ROWS, Format,
@@ -30,6 +34,7 @@ _SILU_STAGE_BYTES = 4096  # kSiluStageBytes in cuda_src/silu.cu: one span of gat
 _SILU_STAGES = 2          # kSiluStages in cuda_src/silu.cu
 _SILU_THREADS = 512       # kSiluThreads in cuda_src/silu.cu: one block of 16 warps per SM
 _QUANTIZE_THREADS = 1024  # kQuantizeThreads in cuda_src/quantize.cu: one block of 32 warps per SM
+_QUANTIZE_WARPS = _QUANTIZE_THREADS // 32
 _LANE_VALUES = 8      # values per lane per warp step
 _INT32_MAX = 2**31 - 1
 
@@ -41,6 +46,7 @@ _ROW_OFFSET_DTYPES = tuple(np.dtype(t) for t in (np.int32, np.uint32, np.int64, 
 _DTYPE_SUFFIX = {_BF16: "bf16", _F32: "f32"}
 _X_DTYPES = (_F32, _BF16)
 _U8S = (_U8,)
+_RO32 = _ROW_OFFSET_DTYPES[:2]  # row_offsets the kernels read as they are (int32, uint32)
 # keys hold the format's name and the dtype's number: hashing a frozen dataclass or a dtype costs per call
 _quantize_plans: dict[tuple, tuple] = {}  # (format name, H, dtype.num, device) -> quantize's sizes and launch
 _silu_plans: dict[tuple, tuple] = {}      # fused_silu's output shapes and launch per argument signature
@@ -48,16 +54,18 @@ _silu_plans: dict[tuple, tuple] = {}      # fused_silu's output shapes and launc
 
 _cupy = None
 _ND = None  # cupy.ndarray, bound with the module (the checks' fast path compares the type by identity)
+_runtime = None  # cupy.cuda.runtime, bound with the module
 
 
 def _cp():
     """The cupy module, imported on first use (``import cuep`` loads no CUDA library; an ``import`` statement per
     call would cost a microsecond of the call's host time)."""
-    global _cupy, _ND
+    global _cupy, _ND, _runtime
     if _cupy is None:
         import cupy
 
-        _cupy, _ND = cupy, cupy.ndarray
+        _ep._cp()  # (the short paths' argument tests: ep._rows_ptr)
+        _cupy, _ND, _runtime = cupy, cupy.ndarray, cupy.cuda.runtime
     return _cupy
 
 
@@ -310,7 +318,7 @@ def _fused_silu_torch(h, row_offsets, out_fmt="bf16", interleaved=False, global_
     rp = tensor_ptr(ro, tb, None, tb.i32s, dev, 15) if hp else 0
     if not rp:
         return NotImplemented
-    shapes, _, fn, grid, max_tiles = plan
+    shapes, _, fn, grid, max_tiles, _ = plan
     kinds = [tb.of_numpy[d] for _, d in shapes]
     if out is None:
         outs = [tb.module.empty(s, dtype=k, device=tb.device(dev)) for (s, _), k in zip(shapes, kinds)]
@@ -360,9 +368,46 @@ def quantize(x: cupy.ndarray, fmt: str, global_scale: float = 1.0, out=None) -> 
     Raises:
         TypeError, ValueError: naming ``fmt``, ``x``, ``global_scale`` or ``out``.
     """
-    if type(x) is _ND and type(fmt) is str and type(global_scale) in (float, int) and _plain_out(out):
-        return _quantize(x, fmt, global_scale, out)
+    if type(x) is _ND and type(fmt) is str:
+        done = _quantize_short(x, fmt, global_scale, out)
+        if done is not None:
+            return done
+        if type(global_scale) in (float, int) and _plain_out(out):
+            return _quantize(x, fmt, global_scale, out)
     return _quantize_general(x, fmt, global_scale, out)
+
+
+def _quantize_short(x, fmt: str, global_scale, out):
+    """quantize's common case in few steps, the launch :func:`_quantize` makes: a plan an earlier call made (its
+    shapes checked then), a float ``global_scale`` in range, ``out`` None or a tuple of two right arrays. Returns
+    ``(payload, scales)``, or None (nothing done) for :func:`_quantize`, which handles every other case and raises
+    with a message."""
+    n = len(x) if x.ndim == 2 else 0
+    if not n or type(global_scale) is not float or not GLOBAL_SCALE_MIN <= global_scale <= GLOBAL_SCALE_MAX:
+        return None
+    h, dev = x.size // n, _runtime.getDevice()
+    plan = _quantize_plans.get((fmt, h, x.dtype.num, dev))
+    if plan is None or plan[3] is None:
+        return None
+    pbytes, sbytes, steps, (fn, max_grid) = plan
+    xp = _rows_ptr(x, n, h, _X_DTYPES, dev, 15)
+    if not xp:
+        return None
+    if out is None:
+        payload, scales = _cupy.empty((n, pbytes), _U8), _cupy.empty((n, sbytes), _U8)
+        pp, sp = payload.data.ptr, scales.data.ptr
+    elif type(out) is tuple and len(out) == 2:
+        payload, scales = out
+        pp = _rows_ptr(payload, n, pbytes, _U8S, dev, 15)
+        sp = _rows_ptr(scales, n, sbytes, _U8S, dev, 15) if pp else 0
+        if not sp:
+            return None
+    else:
+        return None
+    fn.pack.pack_into(fn.raw, 0, xp, pp, sp, n, h, global_scale)  # (fn(grid, ...) without its call)
+    _kernels._launch_raw(fn.func, min(-(-n * steps // _QUANTIZE_WARPS), max_grid), fn.block, fn.smem, fn.argv_ptr,
+                         None, dev)
+    return payload, scales
 
 
 def _quantize(x, fmt, global_scale=1.0, out=None):
@@ -527,9 +572,12 @@ def fused_silu(h: cupy.ndarray, row_offsets: cupy.ndarray, out_fmt: str = "bf16"
     Raises:
         TypeError, ValueError: naming the argument.
     """
-    if type(h) is _ND and type(row_offsets) is _ND and type(out_fmt) is str and type(interleaved) is bool \
-            and type(global_scale) in (float, int) and _plain_out(out):
-        return _fused_silu(h, row_offsets, out_fmt, interleaved, global_scale, out)
+    if type(h) is _ND and type(row_offsets) is _ND and type(out_fmt) is str and type(interleaved) is bool:
+        done = _fused_silu_short(h, row_offsets, out_fmt, interleaved, global_scale, out)
+        if done is not None:
+            return done
+        if type(global_scale) in (float, int) and _plain_out(out):
+            return _fused_silu(h, row_offsets, out_fmt, interleaved, global_scale, out)
     return _fused_silu_general(h, row_offsets, out_fmt, interleaved, global_scale, out)
 
 
@@ -548,7 +596,7 @@ def _fused_silu(h, row_offsets, out_fmt="bf16", interleaved=False, global_scale=
         plan = _silu_plans[key] = _silu_plan(f, h, bool(interleaved), n_groups, dev)
     g = global_scale if type(global_scale) is float and GLOBAL_SCALE_MIN <= global_scale <= GLOBAL_SCALE_MAX \
         else _check_global_scale(global_scale)
-    shapes, checks, fn, grid, max_tiles = plan
+    shapes, checks, fn, grid, max_tiles, _ = plan
     if out is None:
         cupy = _cp()
         outs = [cupy.empty(s, d) for s, d in shapes]
@@ -569,6 +617,45 @@ def _fused_silu(h, row_offsets, out_fmt="bf16", interleaved=False, global_scale=
 
 
 _fused_silu_general = torch_aware(fast=_fused_silu_torch)(_fused_silu)
+
+
+def _fused_silu_short(h, ro, fmt: str, interleaved: bool, global_scale, out):
+    """fused_silu's common case in few steps, the launch :func:`_fused_silu` makes: a plan an earlier call made
+    (its shapes checked then), int32 / uint32 ``row_offsets``, a float ``global_scale`` in range, ``out`` None or
+    right arrays. Returns the outputs, or None (nothing done) for :func:`_fused_silu`, which handles every other
+    case and raises with a message."""
+    cap = len(h) if h.ndim == 2 else 0
+    if not cap or type(global_scale) is not float or not GLOBAL_SCALE_MIN <= global_scale <= GLOBAL_SCALE_MAX \
+            or ro.ndim != 1 or ro.dtype not in _RO32 or not ro._c_contiguous:
+        return None
+    width, n_groups, dev = h.size // cap, ro.size - 1, _runtime.getDevice()
+    plan = _silu_plans.get((fmt, h.dtype.num, cap, width, interleaved, n_groups, dev))
+    if plan is None:
+        return None
+    shapes, _, fn, grid, max_tiles, short = plan
+    hp = _rows_ptr(h, cap, width, _X_DTYPES, dev, 15)
+    mem = ro.data
+    rp = mem.ptr if hp and mem.device_id == dev else 0
+    if not rp or rp & 15:
+        return None
+    if out is None:
+        outs = [_cupy.empty(s, d) for s, d in shapes]
+    else:
+        outs = (out,) if len(shapes) == 1 else out if type(out) is tuple and len(out) == len(shapes) else None
+        if outs is None:
+            return None
+        for a, (nd, rows, size, dts) in zip(outs, short):
+            if type(a) is not _ND or a.ndim != nd or len(a) != rows or a.size != size or a.dtype not in dts \
+                    or not a._c_contiguous:
+                return None
+            mem = a.data
+            if mem.device_id != dev or mem.ptr & 15:
+                return None
+    p0 = outs[0].data.ptr
+    fn.pack.pack_into(fn.raw, 0, hp, rp, n_groups, cap, width // 2, p0, outs[1].data.ptr if len(outs) > 1 else p0,
+                      outs[2].data.ptr if len(outs) > 2 else p0, max_tiles, global_scale)  # (fn(grid, ...))
+    _kernels._launch_raw(fn.func, grid, fn.block, fn.smem, fn.argv_ptr, None, dev)
+    return outs[0] if len(shapes) == 1 else tuple(outs)
 
 
 def _silu_plan(f: Format, h, interleaved: bool, n_groups: int, dev: int) -> tuple:
@@ -602,7 +689,9 @@ def _silu_plan(f: Format, h, interleaved: bool, n_groups: int, dev: int) -> tupl
         work = max(work, ceil_div(n_groups * f.scale_k_tiles(inter) * SCALE_TILE_ROWS, _SILU_THREADS))
     fn, max_grid = _prepare("silu.cu", name, "PPiqiPPPqf", dev, smem, _SILU_THREADS)
     checks = tuple((nm, (d,), len(s), s) for nm, (s, d) in zip(names, shapes))
-    return shapes, checks, fn, max(1, min(work, max_grid)), max_tiles
+    # the short path's test of each output: (ndim, rows, elements, dtypes); rows > 0, so together the exact shape
+    short = tuple((len(s), s[0], math.prod(s), (d,)) for s, d in shapes)
+    return shapes, checks, fn, max(1, min(work, max_grid)), max_tiles, short
 
 
 # ---- self tests of the device helpers (private; tests/test_ops_gpu.py) ----------------------------------------

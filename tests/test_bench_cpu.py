@@ -727,13 +727,13 @@ def test_host_python_runs_without_a_gpu(capsys):
     saved = (ep._cupy, ep._ND, ep._runtime, ep._kernel, _kernels._launch_raw)
     from cuep import ops
     caches = (ops._prepared, ops._quantize_plans, ops._silu_plans)  # (the stand-in launches must not stay)
-    saved_ops = (ops._cupy, ops._ND) + tuple(dict(c) for c in caches)
+    saved_ops = (ops._cupy, ops._ND, ops._runtime) + tuple(dict(c) for c in caches)
     try:
         assert mod.main(["--reps", "3", "--runs", "1"]) == 0
     finally:
         ep._cupy, ep._ND, ep._runtime, ep._kernel, _kernels._launch_raw = saved
-        ops._cupy, ops._ND = saved_ops[:2]
-        for c, kept in zip(caches, saved_ops[2:]):
+        ops._cupy, ops._ND, ops._runtime = saved_ops[:3]
+        for c, kept in zip(caches, saved_ops[3:]):
             c.clear()
             c.update(kept)
     out = capsys.readouterr().out

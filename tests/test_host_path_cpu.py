@@ -54,24 +54,23 @@ def launches(monkeypatch):
         return fn
 
     monkeypatch.setattr(ep, "_kernel", kernel)
-    monkeypatch.setattr(_kernels, "_launch_raw", lambda *a: None)
     log = []
-    launch_call = _kernels.PreparedLaunch.launch_call
+    by_argv = {}
+    init = _kernels.PreparedLaunch.__init__
 
-    def record(self, grid, *values):
-        launch_call(self, grid, *values)
-        log.append((names[self.func], grid, self.block, self.smem, bytes(self.raw)))
+    def register(self, *a, **kw):  # (each prepared launch by its argument array's address)
+        init(self, *a, **kw)
+        by_argv[self.argv_ptr] = self
 
-    monkeypatch.setattr(_kernels.PreparedLaunch, "launch_call", record)
-    launch_call_on = _kernels.PreparedLaunch.launch_call_on
+    monkeypatch.setattr(_kernels.PreparedLaunch, "__init__", register)
     STREAMS.clear()
 
-    def record_on(self, stream, grid, *values):  # (a torch call's launch: its stream apart)
-        launch_call_on(self, stream, grid, *values)
-        log.append((names[self.func], grid, self.block, self.smem, bytes(self.raw)))
-        STREAMS.append(stream)
+    def launch_raw(func, grid, block, smem, argv_ptr, stream=None, device=-1):  # (a torch call's stream apart)
+        log.append((names[func], grid, block, smem, bytes(by_argv[argv_ptr].raw)))
+        if stream is not None:
+            STREAMS.append(stream)
 
-    monkeypatch.setattr(_kernels.PreparedLaunch, "launch_call_on", record_on)
+    monkeypatch.setattr(_kernels, "_launch_raw", launch_raw)
     return log
 
 
@@ -176,6 +175,37 @@ def test_short_combine_launches_what_the_general_path_does(launches, weights_at_
         assert l_general == l_short and s_general == s_short
         # one-rank rounds: combine_async has nothing to send; otherwise every half launches
         assert len(l_short) == (0 if ranks == 1 and phases == ep.PHASE_NOTIFY | ep.PHASE_SEND else 1)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_short_dispatch_wait_launches_what_the_general_path_does(launches, fmt, ranks):
+    x, ids, w = inputs(16)
+    buf = make_buffer(fmt, ranks)
+    send = ep.PHASE_NOTIFY | ep.PHASE_SEND
+    ep._dispatch_wait_general.__wrapped__(ep._dispatch(buf, x, ids, w, 1.0, send)[0])
+    d = ep._dispatch(buf, x, ids, w, 1.0, send)[0]
+    (r_general, r_short), (l_general, l_short), (s_general, s_short) = both_paths(
+        buf, lambda: ep._dispatch_wait_general.__wrapped__(d), lambda: ep._dispatch_wait_single(d, False), launches)
+    assert r_general is r_short is d and len(l_short) == 1 and l_general == l_short and s_general == s_short
+    assert s_short["pending"] is None
+    # nothing pending, an earlier dispatch's result, a torch call's flag, another current device, a failed buffer
+    assert ep._dispatch_wait_single(d, False) is NotImplemented
+    ep._dispatch(buf, x, ids, w, 1.0, send)
+    assert ep._dispatch_wait_single(d, False) is NotImplemented
+    buf._rounds["pending"] = None
+    d = ep._dispatch_single(buf, x, ids, w, 1.0, send)
+    launches.clear()
+    assert ep._dispatch_wait_single(d, True) is NotImplemented
+    _Runtime.device = 1
+    assert ep._dispatch_wait_single(d, False) is NotImplemented
+    _Runtime.device = 0
+    host = ep._host(buf)
+    host.status[0] = 1
+    assert ep._dispatch_wait_single(d, False) is NotImplemented
+    host.status[0] = 0
+    assert launches == [] and buf._rounds["pending"] is not None
+    assert ep._dispatch_wait_single(d, False) is d and len(launches) == 1 and buf._rounds["pending"] is None
 
 
 def test_short_paths_leave_every_other_case_to_the_general_path(launches):
@@ -438,6 +468,8 @@ def ops_launches(monkeypatch, torch):
 
     monkeypatch.setattr(ops, "_cupy", _hp.STAND_IN_CUPY)
     monkeypatch.setattr(ops, "_ND", FakeArray)
+    monkeypatch.setattr(ops, "_runtime", _Runtime)
+    monkeypatch.setattr(ep, "_ND", FakeArray)  # (ops' short paths test arguments with ep._rows_ptr)
     monkeypatch.setattr(ops, "_quantize_plans", {})
     monkeypatch.setattr(ops, "_silu_plans", {})
     by_argv = {}
@@ -452,7 +484,7 @@ def ops_launches(monkeypatch, torch):
     monkeypatch.setattr(ops, "_prepare", prepare)
     log = []
 
-    def launch_raw(func, grid, block, smem, argv_ptr, stream=None):
+    def launch_raw(func, grid, block, smem, argv_ptr, stream=None, device=-1):
         log.append((func, grid, block, smem, bytes(by_argv[argv_ptr].raw), stream))
 
     monkeypatch.setattr(_kernels, "_launch_raw", launch_raw)
@@ -551,6 +583,97 @@ def test_torch_ops_leave_every_other_case_to_torch_mode(ops_launches, torch):
                      ((th, T(ro, torch.int32), "nvfp4", True), {}), ((th, ro, "nvfp4"), {})]:
         assert ops._fused_silu_torch(*args, **kw) is NotImplemented, (args, kw)
     assert log == []
+
+
+# ---- the CuPy short paths of quantize and fused_silu (ops._quantize_short, ops._fused_silu_short) ------------------
+@pytest.fixture
+def cupy_ops(ops_launches, monkeypatch):
+    """ops_launches with a stand-in ``cupy.empty`` (outputs allocated by the call)."""
+    ops, log = ops_launches
+    monkeypatch.setattr(ops, "_cupy", types.SimpleNamespace(**vars(_hp.STAND_IN_CUPY),
+                                                            empty=lambda shape, dtype: FakeArray(shape, dtype)))
+    return ops, log
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "mxfp4"])
+@pytest.mark.parametrize("dtype", [BF16, np.float32])
+@pytest.mark.parametrize("given", [True, False])
+def test_short_quantize_launches_what_the_general_path_does(cupy_ops, fmt, dtype, given):
+    from cuep.formats import FORMATS
+
+    ops, log = cupy_ops
+    f, n = FORMATS[fmt], 24
+    x = FakeArray((n, H), dtype)
+    out = (FakeArray((n, f.payload_bytes(H)), np.uint8), FakeArray((n, f.scale_bytes(H)), np.uint8))
+    assert ops._quantize_short(x, fmt, 0.5, out if given else None) is None and log == []  # no plan yet
+    ops._quantize(x, fmt, 0.5, out=out)  # makes the plan
+    got = ops._quantize_short(x, fmt, 0.5, out if given else None)
+    assert got is not None and (got == out if given else got[0].shape == out[0].shape and got[1].shape ==
+                                out[1].shape and got[0].dtype == got[1].dtype == np.uint8)
+    ops._quantize(x, fmt, 0.5, out=got)  # the general path with the short path's outputs: the same launch
+    assert len(log) == 3 and log[1] == log[2]
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4", "mxfp4"])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("given", [True, False])
+def test_short_fused_silu_launches_what_the_general_path_does(cupy_ops, fmt, interleaved, given):
+    ops, log = cupy_ops
+    cap, inter, groups = 40, 256, 3
+    h, ro = FakeArray((cap, 2 * inter), BF16), FakeArray((groups + 1,), np.uint32)
+    outs = tuple(FakeArray(s, d) for s, d in ops._silu_plan(ops.get_format(fmt), h, interleaved, groups, 0)[0])
+    out = outs[0] if fmt == "bf16" else outs
+    assert ops._fused_silu_short(h, ro, fmt, interleaved, 0.5, out if given else None) is None and log == []
+    ops._fused_silu(h, ro, fmt, interleaved, 0.5, out=out)  # makes the plan
+    got = ops._fused_silu_short(h, ro, fmt, interleaved, 0.5, out if given else None)
+    got_all = (got,) if fmt == "bf16" else got
+    assert (got is out) if given and fmt == "bf16" else (got == out) if given else \
+        [(a.shape, a.dtype) for a in got_all] == [(a.shape, a.dtype) for a in outs]
+    ops._fused_silu(h, ro, fmt, interleaved, 0.5, out=got)  # the general path with the short path's outputs
+    assert len(log) == 3 and log[1] == log[2]
+
+
+def test_short_ops_leave_every_other_case_to_the_general_path(cupy_ops):
+    from cuep.formats import FORMATS
+
+    ops, log = cupy_ops
+    f, n = FORMATS["nvfp4"], 8
+    x = FakeArray((n, H), BF16)
+    p, s_ = FakeArray((n, f.payload_bytes(H)), np.uint8), FakeArray((n, f.scale_bytes(H)), np.uint8)
+    ops._quantize(x, "nvfp4", out=(p, s_))
+    log.clear()
+    bad = [(FakeArray((n, H), np.float16), "nvfp4", 1.0, None), (FakeArray((n, H), BF16, contiguous=False),
+                                                                  "nvfp4", 1.0, None),
+           (FakeArray((n, H), BF16, device=1), "nvfp4", 1.0, None), (FakeArray((n, H), BF16, offset=8), "nvfp4",
+                                                                      1.0, None),
+           (FakeArray((0, H), BF16), "nvfp4", 1.0, None), (FakeArray((n, 2 * H), BF16), "nvfp4", 1.0, None),
+           (x, "fp8", 1.0, None), (x, "nvfp4", 1, None), (x, "nvfp4", 0.0, None), (x, "nvfp4", 2.0**101, None),
+           (x, "nvfp4", 1.0, [p, s_]), (x, "nvfp4", 1.0, (p,)), (x, "nvfp4", 1.0, (s_, p)),
+           (x, "nvfp4", 1.0, (p, FakeArray((n, f.scale_bytes(H)), np.uint8, offset=4))),
+           (x, "nvfp4", 1.0, (FakeArray((n, f.payload_bytes(H)), np.uint8, device=1), s_)),
+           (x, "nvfp4", 1.0, (FakeArray((n + 1, f.payload_bytes(H)), np.uint8), s_))]
+    for args in bad:
+        assert ops._quantize_short(*args) is None, args
+    _Runtime.device = 1
+    assert ops._quantize_short(x, "nvfp4", 1.0, (p, s_)) is None
+    _Runtime.device = 0
+    assert log == []
+    assert ops._quantize_short(x, "nvfp4", 1.0, (p, s_)) == (p, s_) and len(log) == 1
+    h, ro = FakeArray((16, 512), BF16), FakeArray((3,), np.int32)
+    outs = tuple(FakeArray(s, d) for s, d in ops._silu_plan(ops.get_format("nvfp4"), h, False, 2, 0)[0])
+    ops._fused_silu(h, ro, "nvfp4", out=outs)
+    log.clear()
+    wrong = [FakeArray(outs[0].shape, np.int8), FakeArray(outs[1].shape, np.uint8, offset=8),
+             FakeArray(outs[2].shape, np.uint32, device=1)]
+    for args in [(h, FakeArray((3,), np.int64), "nvfp4", False, 1.0, outs), (h, ro, "nvfp4", True, 1.0, outs),
+                 (h, FakeArray((3,), np.int32, offset=4), "nvfp4", False, 1.0, outs),
+                 (h, FakeArray((4,), np.int32), "nvfp4", False, 1.0, outs), (h, ro, "mxfp4", False, 1.0, outs),
+                 (h, ro, "nvfp4", False, 1.0, outs[:2]), (h, ro, "nvfp4", False, 1.0, list(outs)),
+                 (h, ro, "nvfp4", False, 1, outs), (FakeArray((16, 512), np.float32), ro, "nvfp4", False, 1.0, outs)]\
+            + [(h, ro, "nvfp4", False, 1.0, outs[:i] + (a,) + outs[i + 1:]) for i, a in enumerate(wrong)]:
+        assert ops._fused_silu_short(*args) is None, args
+    assert log == []
+    assert ops._fused_silu_short(h, ro, "nvfp4", False, 1.0, outs) == outs and len(log) == 1
 
 
 # ---- a small one-rank round's chunks, worked out on the host (ep._small_round_chunks) ----------------------------
