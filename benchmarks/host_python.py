@@ -10,7 +10,8 @@ CuPy arrays are stand-ins holding the fields cuep's checks read (dtype, contigui
 device), the launch (``cuep._kernels._launch_raw``) does nothing, and a one-rank Buffer is assembled without
 allocating (its kernels are never compiled). Timed, H = 7168, K = 8, E = 256, N = 128: dispatch + combine,
 dispatch_async + dispatch_wait, dispatch + combine_async + combine_wait (bf16 and nvfp4 buffers),
-ops.quantize with ``out=`` (fp8, nvfp4) and ops.fused_silu with ``out=`` (fp8, nvfp4; capacity N K, 4 groups).
+ops.quantize and ops.dequantize with ``out=`` (fp8, nvfp4), ops.swizzle_block_scales with ``out=`` (nvfp4, E
+groups) and ops.fused_silu with ``out=`` (fp8, nvfp4; capacity N K, 4 groups).
 Medians over interleaved runs, us per case (the calls it names); on a GPU machine add the launch of each call
 (``benchmarks/launch_floor.py``) and compare with ``benchmarks/host_cost.py``, which times the real calls.
 Nothing is asserted.
@@ -159,6 +160,23 @@ def cases(pkg) -> dict:
         xq = StandIn((N, H), bf16)
         outs = (StandIn((N, f.payload_bytes(H)), np.uint8), StandIn((N, f.scale_bytes(H)), np.uint8))
         out[f"ops.quantize {fmt} (out=)"] = lambda xq=xq, fmt=fmt, outs=outs: pkg.ops.quantize(xq, fmt, out=outs)
+        launch = kernels.PreparedLaunch(fn, 256, 0, 8 * len(sig), tuple(range(0, 8 * len(sig), 8)),
+                                        kernels.slot_struct(sig))
+        ops._prepared[("quantize.cu", f"dequantize_{fmt}", 0, 0)] = (launch, 1024, sig)
+        back = StandIn((N, H), np.float32)
+        out[f"ops.dequantize {fmt} (out=)"] = lambda fmt=fmt, outs=outs, back=back: pkg.ops.dequantize(
+            *outs, fmt, H, out=back)
+    sig = "PqiPiPPq"
+    ro_x = StandIn((E + 1,), np.int32)
+    f = pkg.formats.FORMATS["nvfp4"]
+    smem = 2 * (E + 1) * 4
+    launch = kernels.PreparedLaunch(fn, 256, smem, 8 * len(sig), tuple(range(0, 8 * len(sig), 8)),
+                                    kernels.slot_struct(sig))
+    ops._prepared[("quantize.cu", "swizzle_block_scales", 0, smem)] = (launch, 1024, sig)
+    sw = (StandIn((ops._swizzle_tiles(N, E) * f.scale_k_tiles(H) * pkg.formats.SCALE_TILE_BYTES,), np.uint8),
+          StandIn((E,), np.uint32))
+    sc = StandIn((N, f.scale_bytes(H)), np.uint8)
+    out["ops.swizzle_block_scales nvfp4 (out=)"] = lambda: pkg.ops.swizzle_block_scales(sc, ro_x, "nvfp4", H, out=sw)
     sig = "PPiqiPPPqf"
     cap, groups = N * K, 4
     for fmt in ("fp8", "nvfp4"):

@@ -45,11 +45,13 @@ _U32 = np.dtype(np.uint32)
 _ROW_OFFSET_DTYPES = tuple(np.dtype(t) for t in (np.int32, np.uint32, np.int64, np.uint64))
 _DTYPE_SUFFIX = {_BF16: "bf16", _F32: "f32"}
 _X_DTYPES = (_F32, _BF16)
-_U8S = (_U8,)
+_U8S, _U32S, _F32S = (_U8,), (_U32,), (_F32,)
 _RO32 = _ROW_OFFSET_DTYPES[:2]  # row_offsets the kernels read as they are (int32, uint32)
 # keys hold the format's name and the dtype's number: hashing a frozen dataclass or a dtype costs per call
 _quantize_plans: dict[tuple, tuple] = {}  # (format name, H, dtype.num, device) -> quantize's sizes and launch
 _silu_plans: dict[tuple, tuple] = {}      # fused_silu's output shapes and launch per argument signature
+_dequantize_plans: dict[tuple, tuple] = {}  # (format name, H, device) -> dequantize's sizes and launch
+_swizzle_plans: dict[tuple, tuple] = {}     # (format name, H, rows, G, device) -> swizzle's sizes and launch
 
 
 _cupy = None
@@ -236,13 +238,6 @@ def _prepare(filename: str, name: str, sig: str, dev: int, smem: int = 0, thread
     if sig != want:
         raise RuntimeError(f"{filename}:{name} launched with parameters {sig!r}, earlier with {want!r}")
     return launch, max_grid
-
-
-def _launch(filename: str, name: str, work_blocks: int, sig: str, *args, smem: int = 0) -> None:
-    """Launch ``filename:name`` (:func:`_prepare`) on the current device and stream with ``args``, at most
-    ``work_blocks`` blocks."""
-    launch, max_grid = _prepare(filename, name, sig, _device(), smem)
-    launch(max(1, min(int(work_blocks), max_grid)), *args)
 
 
 def _warp_item_blocks(n_rows: int, hidden: int, threads: int = _THREADS) -> int:
@@ -453,7 +448,6 @@ def _quantize(x, fmt, global_scale=1.0, out=None):
 _quantize_general = torch_aware(fast=_quantize_torch)(_quantize)
 
 
-@torch_aware
 def dequantize(payload: cupy.ndarray, scales: cupy.ndarray, fmt: str, hidden: int, global_scale: float = 1.0,
                out=None) -> cupy.ndarray:
     """Decode token rows on the GPU, bit for bit as :func:`cuep.reference.dequantize`.
@@ -473,6 +467,14 @@ def dequantize(payload: cupy.ndarray, scales: cupy.ndarray, fmt: str, hidden: in
     Raises:
         TypeError, ValueError: naming the argument.
     """
+    if type(payload) is _ND and type(scales) is _ND and type(fmt) is str and type(hidden) is int:
+        done = _dequantize_short(payload, scales, fmt, hidden, global_scale, out)
+        if done is not None:
+            return done
+    return _dequantize_general(payload, scales, fmt, hidden, global_scale, out)
+
+
+def _dequantize(payload, scales, fmt, hidden, global_scale=1.0, out=None):
     cupy = _cp()
     f = get_format(fmt, "fmt")
     hidden = _check_hidden_arg(f, hidden)
@@ -486,13 +488,47 @@ def dequantize(payload: cupy.ndarray, scales: cupy.ndarray, fmt: str, hidden: in
         _check_array(out, "out", (_F32,), 2, (n, hidden))
     if n == 0:
         return out
-    _launch("quantize.cu", f"dequantize_{f.name}", _warp_item_blocks(n, hidden), "PPPqif", payload.data.ptr,
-            scales.data.ptr, out.data.ptr, n, hidden, g)
+    dev = _device()
+    fn, max_grid = _prepare("quantize.cu", f"dequantize_{f.name}", "PPPqif", dev)
+    steps = ceil_div(hidden, _WARP * _LANE_VALUES)
+    _dequantize_plans[(f.name, hidden, dev)] = (f.payload_bytes(hidden), f.scale_bytes(hidden), steps, fn, max_grid)
+    fn(max(1, min(_warp_item_blocks(n, hidden), max_grid)), payload.data.ptr, scales.data.ptr, out.data.ptr, n,
+       hidden, g)
+    return out
+
+
+_dequantize_general = torch_aware(_dequantize)
+
+
+def _dequantize_short(payload, scales, fmt: str, hidden: int, global_scale, out):
+    """dequantize's common case in few steps, the launch :func:`_dequantize` makes (as :func:`_quantize_short`);
+    None (nothing done) for anything else."""
+    n = len(payload) if payload.ndim == 2 else 0
+    if not n or type(global_scale) is not float or not GLOBAL_SCALE_MIN <= global_scale <= GLOBAL_SCALE_MAX:
+        return None
+    dev = _runtime.getDevice()
+    plan = _dequantize_plans.get((fmt, hidden, dev))
+    if plan is None:
+        return None
+    pbytes, sbytes, steps, fn, max_grid = plan
+    pp = _rows_ptr(payload, n, pbytes, _U8S, dev, 15)
+    sp = _rows_ptr(scales, n, sbytes, _U8S, dev, 15) if pp else 0
+    if not sp:
+        return None
+    if out is None:
+        out = _cupy.empty((n, hidden), _F32)
+        op = out.data.ptr
+    elif not _rows_ptr(out, n, hidden, _F32S, dev, 15):
+        return None
+    else:
+        op = out.data.ptr
+    fn.pack.pack_into(fn.raw, 0, pp, sp, op, n, hidden, global_scale)  # (fn(grid, ...) without its call)
+    _kernels._launch_raw(fn.func, min(-(-n * steps // (_THREADS // _WARP)), max_grid), fn.block, fn.smem,
+                         fn.argv_ptr, None, dev)
     return out
 
 
 # ---- 128x4 swizzled block scales ------------------------------------------------------------------------------
-@torch_aware
 def swizzle_block_scales(scales: cupy.ndarray, row_offsets: cupy.ndarray, fmt: str, hidden: int,
                          out=None) -> tuple[cupy.ndarray, cupy.ndarray]:
     """Lay per-row block scales out in the 128x4 tiles of block-scaled grouped GEMMs, on the GPU.
@@ -516,6 +552,14 @@ def swizzle_block_scales(scales: cupy.ndarray, row_offsets: cupy.ndarray, fmt: s
     Raises:
         TypeError, ValueError: naming the argument.
     """
+    if type(scales) is _ND and type(row_offsets) is _ND and type(fmt) is str and type(hidden) is int:
+        done = _swizzle_short(scales, row_offsets, fmt, hidden, out)
+        if done is not None:
+            return done
+    return _swizzle_general(scales, row_offsets, fmt, hidden, out)
+
+
+def _swizzle(scales, row_offsets, fmt, hidden, out=None):
     cupy = _cp()
     f = get_format(fmt, "fmt")
     if not f.swizzled_scales:
@@ -535,9 +579,54 @@ def swizzle_block_scales(scales: cupy.ndarray, row_offsets: cupy.ndarray, fmt: s
         _check_array(scales_offsets, "out[1] (scales_offsets)", (_U32,), 1, (n_groups,))
     smem = 2 * (n_groups + 1) * 4
     work = max(rows_cap * k_tiles, n_groups * k_tiles * SCALE_TILE_ROWS)
-    _launch("quantize.cu", "swizzle_block_scales", ceil_div(work, _THREADS), "PqiPiPPq", scales.data.ptr, rows_cap,
-            n_scales, ro.data.ptr, n_groups, swizzled.data.ptr, scales_offsets.data.ptr, max_tiles, smem=smem)
+    dev = _device()
+    fn, max_grid = _prepare("quantize.cu", "swizzle_block_scales", "PqiPiPPq", dev, smem)
+    grid = max(1, min(ceil_div(work, _THREADS), max_grid))
+    _swizzle_plans[(f.name, hidden, rows_cap, n_groups, dev)] = (n_scales, sw_shape[0], max_tiles, fn, grid)
+    fn(grid, scales.data.ptr, rows_cap, n_scales, ro.data.ptr, n_groups, swizzled.data.ptr, scales_offsets.data.ptr,
+       max_tiles)
     return swizzled, scales_offsets
+
+
+_swizzle_general = torch_aware(_swizzle)
+
+
+def _vector_ptr(a, size: int, dtypes, dev: int) -> int:
+    """The device address of ``a`` if it is a contiguous 1-D CuPy array of ``size`` (> 0) elements of one of
+    ``dtypes`` on ``dev``, 16-byte aligned, else 0 (as ep._rows_ptr for rows)."""
+    if type(a) is not _ND or a.ndim != 1 or a.size != size or a.dtype not in dtypes or not a._c_contiguous:
+        return 0
+    mem = a.data
+    ptr = mem.ptr
+    return ptr if mem.device_id == dev and not ptr & 15 else 0
+
+
+def _swizzle_short(scales, ro, fmt: str, hidden: int, out):
+    """swizzle_block_scales' common case in few steps, the launch :func:`_swizzle` makes (as
+    :func:`_quantize_short`; int32 / uint32 ``row_offsets``); None (nothing done) for anything else."""
+    rows = len(scales) if scales.ndim == 2 else 0
+    if not rows or ro.ndim != 1:
+        return None
+    n_groups, dev = ro.size - 1, _runtime.getDevice()
+    plan = _swizzle_plans.get((fmt, hidden, rows, n_groups, dev))
+    if plan is None:
+        return None
+    n_scales, sw_size, max_tiles, fn, grid = plan
+    sp = _rows_ptr(scales, rows, n_scales, _U8S, dev, 15)
+    rp = _vector_ptr(ro, n_groups + 1, _RO32, dev) if sp else 0
+    if not rp:
+        return None
+    if out is None:
+        swizzled, offsets = _cupy.empty((sw_size,), _U8), _cupy.empty((n_groups,), _U32)
+    elif type(out) is tuple and len(out) == 2:
+        swizzled, offsets = out
+        if not _vector_ptr(swizzled, sw_size, _U8S, dev) or not _vector_ptr(offsets, n_groups, _U32S, dev):
+            return None
+    else:
+        return None
+    fn.pack.pack_into(fn.raw, 0, sp, rows, n_scales, rp, n_groups, swizzled.data.ptr, offsets.data.ptr, max_tiles)
+    _kernels._launch_raw(fn.func, grid, fn.block, fn.smem, fn.argv_ptr, None, dev)
+    return swizzled, offsets
 
 
 # ---- fused SwiGLU ---------------------------------------------------------------------------------------------

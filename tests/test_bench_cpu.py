@@ -677,8 +677,8 @@ def test_cli_floor_quick_end_to_end(tmp_path):
         assert (r["floor_layout"] is None) == (r["op"] == "combine" or r["format"] == "bf16")
     calls = {h["call"] for h in doc["host"]}
     assert calls == {"cuep.dispatch", "cuep.combine", "cuep.dispatch_async", "cuep.dispatch_wait",
-                     "cuep.combine_async", "cuep.combine_wait", "cuep.ops.quantize", "cuep.ops.fused_silu",
-                     LAUNCH_FLOOR_CALL}
+                     "cuep.combine_async", "cuep.combine_wait", "cuep.ops.quantize", "cuep.ops.dequantize",
+                     "cuep.ops.swizzle_block_scales", "cuep.ops.fused_silu", LAUNCH_FLOOR_CALL}
     assert all(not h["blocked"] and h["calls"] == 16 for h in doc["host"])
     for h in doc["host"]:  # every call beside a bare launch of its own batches; the bare launch's row alone
         if h["call"] == LAUNCH_FLOOR_CALL:
@@ -726,7 +726,8 @@ def test_host_python_runs_without_a_gpu(capsys):
     spec.loader.exec_module(mod)
     saved = (ep._cupy, ep._ND, ep._runtime, ep._kernel, _kernels._launch_raw)
     from cuep import ops
-    caches = (ops._prepared, ops._quantize_plans, ops._silu_plans)  # (the stand-in launches must not stay)
+    caches = (ops._prepared, ops._quantize_plans, ops._silu_plans, ops._dequantize_plans,
+              ops._swizzle_plans)  # (the stand-in launches must not stay)
     saved_ops = (ops._cupy, ops._ND, ops._runtime) + tuple(dict(c) for c in caches)
     try:
         assert mod.main(["--reps", "3", "--runs", "1"]) == 0
@@ -739,10 +740,10 @@ def test_host_python_runs_without_a_gpu(capsys):
     out = capsys.readouterr().out
     for case in ("bf16 dispatch + combine", "bf16 dispatch_async + dispatch_wait", "nvfp4 dispatch + combine",
                  "ops.quantize fp8 (out=)", "ops.quantize nvfp4 (out=)", "ops.fused_silu fp8 (out=)",
-                 "ops.fused_silu nvfp4 (out=)"):
+                 "ops.fused_silu nvfp4 (out=)", "ops.dequantize nvfp4 (out=)", "ops.swizzle_block_scales nvfp4 (out=)"):
         assert case in out
     rows = [line.split() for line in out.splitlines() if line.startswith(("bf16 ", "nvfp4 ", "ops."))]
-    assert len(rows) == 8 and all(float(r[-1]) > 0 for r in rows)
+    assert len(rows) == 11 and all(float(r[-1]) > 0 for r in rows)
 
 
 def test_python_call_ns_times_an_empty_call():

@@ -472,14 +472,20 @@ def ops_launches(monkeypatch, torch):
     monkeypatch.setattr(ep, "_ND", FakeArray)  # (ops' short paths test arguments with ep._rows_ptr)
     monkeypatch.setattr(ops, "_quantize_plans", {})
     monkeypatch.setattr(ops, "_silu_plans", {})
+    monkeypatch.setattr(ops, "_dequantize_plans", {})
+    monkeypatch.setattr(ops, "_swizzle_plans", {})
     by_argv = {}
 
-    def prepare(filename, name, sig, dev, smem=0, threads=ops._THREADS):
-        fn = types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=len(by_argv) + 1))
-        launch = _kernels.PreparedLaunch(fn, threads, smem, 8 * len(sig), tuple(range(0, 8 * len(sig), 8)),
-                                         _kernels.slot_struct(sig))
-        by_argv[launch.argv_ptr] = launch
-        return launch, 64
+    made = {}
+
+    def prepare(filename, name, sig, dev, smem=0, threads=ops._THREADS):  # (once per kernel, as ops._prepare)
+        key = (filename, name, dev, smem)
+        if key not in made:
+            fn = types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=len(by_argv) + 1))
+            launch = _kernels.PreparedLaunch(fn, threads, smem, 8 * len(sig), tuple(range(0, 8 * len(sig), 8)),
+                                             _kernels.slot_struct(sig))
+            by_argv[launch.argv_ptr] = made[key] = launch
+        return made[key], 64
 
     monkeypatch.setattr(ops, "_prepare", prepare)
     log = []
@@ -631,6 +637,61 @@ def test_short_fused_silu_launches_what_the_general_path_does(cupy_ops, fmt, int
         [(a.shape, a.dtype) for a in got_all] == [(a.shape, a.dtype) for a in outs]
     ops._fused_silu(h, ro, fmt, interleaved, 0.5, out=got)  # the general path with the short path's outputs
     assert len(log) == 3 and log[1] == log[2]
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "mxfp4"])
+@pytest.mark.parametrize("given", [True, False])
+def test_short_dequantize_launches_what_the_general_path_does(cupy_ops, fmt, given):
+    from cuep.formats import FORMATS
+
+    ops, log = cupy_ops
+    f, n = FORMATS[fmt], 24
+    p, s_ = FakeArray((n, f.payload_bytes(H)), np.uint8), FakeArray((n, f.scale_bytes(H)), np.uint8)
+    out = FakeArray((n, H), np.float32)
+    assert ops._dequantize_short(p, s_, fmt, H, 0.5, out if given else None) is None and log == []  # no plan yet
+    ops._dequantize(p, s_, fmt, H, 0.5, out=out)  # makes the plan
+    got = ops._dequantize_short(p, s_, fmt, H, 0.5, out if given else None)
+    assert (got is out) if given else (got.shape == out.shape and got.dtype == np.float32)
+    ops._dequantize(p, s_, fmt, H, 0.5, out=got)  # the general path with the short path's output: the same launch
+    assert len(log) == 3 and log[1] == log[2]
+    bad = [(FakeArray((n, f.payload_bytes(H) + 16), np.uint8), s_, fmt, H, 0.5, out),
+           (p, FakeArray((n + 1, f.scale_bytes(H)), np.uint8), fmt, H, 0.5, out),
+           (p, s_, fmt, H, 1, out), (p, s_, fmt, 2 * H, 0.5, None), (p, s_, fmt, H, 0.5, FakeArray((n, H), BF16)),
+           (p, s_, fmt, H, 0.5, FakeArray((n, H), np.float32, offset=4)), (p, s_, "bf16", H, 0.5, out),
+           (FakeArray((n, f.payload_bytes(H)), np.uint8, device=1), s_, fmt, H, 0.5, out)]
+    log.clear()
+    for args in bad:
+        assert ops._dequantize_short(*args) is None, args
+    assert log == []
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("given", [True, False])
+def test_short_swizzle_launches_what_the_general_path_does(cupy_ops, fmt, given):
+    from cuep.formats import FORMATS, SCALE_TILE_BYTES
+
+    ops, log = cupy_ops
+    f, rows, groups = FORMATS[fmt], 40, 3
+    sc, ro = FakeArray((rows, f.n_scales(H)), np.uint8), FakeArray((groups + 1,), np.int32)
+    out = (FakeArray((ops._swizzle_tiles(rows, groups) * f.scale_k_tiles(H) * SCALE_TILE_BYTES,), np.uint8),
+           FakeArray((groups,), np.uint32))
+    assert ops._swizzle_short(sc, ro, fmt, H, out if given else None) is None and log == []  # no plan yet
+    ops._swizzle(sc, ro, fmt, H, out=out)  # makes the plan
+    got = ops._swizzle_short(sc, ro, fmt, H, out if given else None)
+    assert got == out if given else [(a.shape, a.dtype) for a in got] == [(a.shape, a.dtype) for a in out]
+    ops._swizzle(sc, ro, fmt, H, out=got)  # the general path with the short path's outputs: the same launch
+    assert len(log) == 3 and log[1] == log[2]
+    bad = [(sc, FakeArray((groups + 1,), np.int64), fmt, H, out), (sc, FakeArray((groups + 1,), np.int32, offset=4),
+                                                                   fmt, H, out),
+           (sc, FakeArray((groups + 2,), np.int32), fmt, H, out), (FakeArray((rows + 1, f.n_scales(H)), np.uint8), ro,
+                                                                   fmt, H, out),
+           (sc, ro, fmt, H, (out[0], FakeArray((groups,), np.int32))), (sc, ro, fmt, H, list(out)),
+           (sc, ro, fmt, H, (FakeArray(out[0].shape, np.uint8, device=1), out[1])),
+           (sc, ro, fmt, H, (FakeArray((out[0].size + 1,), np.uint8), out[1])), (sc, ro, "fp8", H, out)]
+    log.clear()
+    for args in bad:
+        assert ops._swizzle_short(*args) is None, args
+    assert log == []
 
 
 def test_short_ops_leave_every_other_case_to_the_general_path(cupy_ops):

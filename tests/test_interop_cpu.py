@@ -129,14 +129,15 @@ def test_calls_without_tensors_go_straight_through_and_never_import_torch():
 
 
 def test_public_calls_keep_their_names_and_docs():
-    for fn in (cuep.ops.dequantize, cuep.ops.swizzle_block_scales, cuep.moe.moe_forward, cuep.moe.route):
+    for fn in (cuep.moe.moe_forward, cuep.moe.route):
         assert fn.__wrapped__.__name__ == fn.__name__ and fn.__doc__ == fn.__wrapped__.__doc__
     # these try their common CuPy call themselves, then hand the rest to a torch_aware function
     for fn, general in ((cuep.dispatch, ep._dispatch_general), (cuep.dispatch_async, ep._dispatch_async_general),
                         (cuep.dispatch_wait, ep._dispatch_wait_general), (cuep.combine, ep._combine_general),
                         (cuep.combine_async, ep._combine_async_general),
                         (cuep.combine_wait, ep._combine_wait_general), (cuep.ops.quantize, ops._quantize_general),
-                        (cuep.ops.fused_silu, ops._fused_silu_general)):
+                        (cuep.ops.fused_silu, ops._fused_silu_general), (cuep.ops.dequantize, ops._dequantize_general),
+                        (cuep.ops.swizzle_block_scales, ops._swizzle_general)):
         assert fn.__doc__.strip() and not hasattr(fn, "__wrapped__") and general.__module__ == fn.__module__
         assert callable(general.__wrapped__)  # torch_aware's wrapper of the general body
 

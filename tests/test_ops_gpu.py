@@ -565,6 +565,49 @@ def test_fused_silu_reads_the_row_count_on_the_device(rng):
 
 # ---- argument checks on the GPU ------------------------------------------------------------------------------
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", QUANT_FORMATS)
+def test_short_paths_match_the_reference(rng, fmt, monkeypatch):
+    """A signature's second call takes the op's short path (each full body raises if called): quantize,
+    dequantize, swizzle_block_scales (fp4) and fused_silu on fresh inputs, outputs poisoned first, bit for bit."""
+    n, h = 37, 7168
+    f = formats.FORMATS[fmt]
+    g = 0.6875 if fmt == "nvfp4" else 1.0
+    case = (300, 256, [0, 5, 5, 133, 260])
+    ro_np = np.array([0, 3, 3, 20, 37], np.int32)
+    ro = cupy.asarray(ro_np)
+    size = (-(-n // 128) + 4) * f.scale_k_tiles(h) * 512
+
+    def run():
+        x = random_rows(rng, n, h, BF16)
+        want_p, want_s = ref.quantize(x, fmt, g)
+        out = (poisoned((n, f.payload_bytes(h)), np.uint8), poisoned((n, f.scale_bytes(h)), np.uint8))
+        assert ops.quantize(to_dev(x), fmt, g, out=out) == out
+        assert_same_bits(out[0].get(), want_p, "quantize payload")
+        assert_same_bits(out[1].get(), want_s, "quantize scales")
+        back = poisoned((n, h), np.float32)
+        assert ops.dequantize(*out, fmt, h, g, out=back) is back
+        assert_same_bits(back.get(), ref.dequantize(want_p, want_s, fmt, h, g), "dequantize")
+        if f.swizzled_scales:
+            sw = (poisoned((size,), np.uint8), poisoned((4,), np.uint32))
+            assert ops.swizzle_block_scales(out[1], ro, fmt, h, out=sw) == sw
+            want_sw, want_off = ref.swizzle_block_scales(want_s, ro_np, fmt, h)
+            got_sw = sw[0].get()
+            assert_same_bits(got_sw[: want_sw.size], want_sw, "swizzled tiles")
+            assert (got_sw[want_sw.size:] == POISON).all(), "bytes past the used tiles were written"
+            assert_same_bits(sw[1].get(), want_off, "scales_offsets")
+        _check_fused_silu(rng, case, fmt, BF16, False)
+
+    run()  # the full paths, which make the plans
+
+    def full(*a, **k):
+        raise AssertionError("the full path ran")
+
+    for name in ("_quantize", "_dequantize_general", "_swizzle_general", "_fused_silu"):
+        monkeypatch.setattr(ops, name, full)
+    run()
+
+
+@pytest.mark.gpu
 def test_quantize_bad_arguments():
     x = cupy.ones((4, 256), np.float32)
     with pytest.raises(TypeError, match="x must have dtype"):

@@ -19,12 +19,12 @@ expert local), dispatch in each ``--formats`` format and combine bf16 (weights a
 (default 1 32 128 4096), each timed cold and warm with its launches queued, beside the floor (one copy kernel
 reading the op's input bytes and writing its output bytes, timed the same way in the same run; the layout floor
 adds the padding and whole scale tiles the output layout writes) and the host cost of one eager call
-(dispatch, combine, their async / wait halves, cuep.ops.quantize and fused_silu) measured with the GPU held
-so that no call waits on it; ``--phases`` adds the launch-by-launch split of a decode round (notify / send /
-receive). Prints the tables (the main one last) and writes ``floor.json`` to ``--out``. ``--hidden``,
-``--top-k``, ``--experts``, ``--formats``, ``--ops`` (dispatch, combine), ``--repeats``, ``--warmup``,
-``--series``, ``--input-sets``, ``--seed``, ``--small-batch-tokens``, ``--num-sms`` (the first), ``--quick``,
-``--dry-run`` and ``--from-json`` apply to it too.
+(dispatch, combine, their async / wait halves, cuep.ops quantize, dequantize, swizzle_block_scales and
+fused_silu) measured with the GPU held so that no call waits on it; ``--phases`` adds the launch-by-launch split
+of a decode round (notify / send / receive). Prints the tables (the main one last) and writes ``floor.json`` to
+``--out``. ``--hidden``, ``--top-k``, ``--experts``, ``--formats``, ``--ops`` (dispatch, combine), ``--repeats``,
+``--warmup``, ``--series``, ``--input-sets``, ``--seed``, ``--small-batch-tokens``, ``--num-sms`` (the first),
+``--quick``, ``--dry-run`` and ``--from-json`` apply to it too.
 """
 from __future__ import annotations
 

@@ -33,7 +33,8 @@ with the weights given at dispatch (timed after an untimed bf16 dispatch). For e
   per call. A call that blocks the host (a synchronisation) makes the gate time out: its figures are marked
   ``blocked``. Calls: ``cuep.dispatch`` and ``cuep.combine`` (the main table's column), ``dispatch_async`` /
   ``dispatch_wait``, ``combine_async`` / ``combine_wait``, ``cuep.ops.quantize`` (fp8 / nvfp4 / mxfp4 of x
-  ``[N, H]``) and ``cuep.ops.fused_silu`` (h ``[N K, 2H]`` bf16, E groups), the ops with ``out=`` given. The
+  ``[N, H]``), ``dequantize`` and ``swizzle_block_scales`` (fp4) of its output, and ``cuep.ops.fused_silu`` (h
+  ``[N K, 2H]`` bf16, E groups), the ops with ``out=`` given. The
   untimed work between timed calls (combine's dispatch) is queued behind the gate too. ``launch only``: a bare
   launch of an empty kernel shaped like the dispatch's, the part of a call's host time that is the driver's, not
   Python's (it differs between hosts: 3.9 us on one H100 host, 6.5 on another). **x launch**: before every timed
@@ -802,7 +803,8 @@ def _host_launch_floor(dev, hkw, host_entry) -> None:
 
 
 def _host_ops(plan, inputs, dev, hkw, n, host_entry) -> None:
-    """Host cost of cuep.ops.quantize (x [N, H]) and fused_silu (h [N K, 2H] bf16, E groups), ``out=`` given."""
+    """Host cost of cuep.ops.quantize (x [N, H]), dequantize (its output), swizzle_block_scales (its fp4 scales,
+    E groups) and fused_silu (h [N K, 2H] bf16, E groups), ``out=`` given."""
     import cupy
 
     from .. import ops
@@ -810,11 +812,21 @@ def _host_ops(plan, inputs, dev, hkw, n, host_entry) -> None:
 
     x = inputs.x[0][0]
     with cupy.cuda.Device(dev):
+        ro_x = cupy.asarray(np.linspace(0, n, plan.n_experts + 1).astype(np.int32))
         for fmt in [f for f in plan.formats if f != "bf16"]:
             out = ops.quantize(x, fmt)
             st = host_cost(lambda i, timed, fmt=fmt, out=out: timed("q", lambda: ops.quantize(x, fmt, out=out)),
                            dev, **hkw)
             host_entry("cuep.ops.quantize", fmt, n, st["q"])
+            back = ops.dequantize(*out, fmt, plan.hidden)
+            st = host_cost(lambda i, timed, fmt=fmt, out=out, back=back: timed(
+                "d", lambda: ops.dequantize(*out, fmt, plan.hidden, out=back)), dev, **hkw)
+            host_entry("cuep.ops.dequantize", fmt, n, st["d"])
+            if fmt in ("nvfp4", "mxfp4"):
+                sw = ops.swizzle_block_scales(out[1], ro_x, fmt, plan.hidden)
+                st = host_cost(lambda i, timed, fmt=fmt, out=out, sw=sw: timed(
+                    "w", lambda: ops.swizzle_block_scales(out[1], ro_x, fmt, plan.hidden, out=sw)), dev, **hkw)
+                host_entry("cuep.ops.swizzle_block_scales", fmt, n, st["w"])
         rows = n * plan.top_k
         h = cupy.zeros((rows, 2 * plan.hidden), dtype=bf16_dtype())
         ro = cupy.asarray(np.linspace(0, rows, plan.n_experts + 1).astype(np.int32))
