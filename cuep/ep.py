@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import _kernels
+from . import interop as _interop
 from .buffer import Buffer
 from .interop import tensor_ptr, torch_aware, torch_bindings
 from .params import (CALL_FIELDS, COMBINE_PARAMS_DTYPE, DISPATCH_PARAMS_DTYPE, c_contiguous, call_struct,
@@ -745,35 +746,6 @@ def _dispatch_step(buf, host, phases: int, src: str, n: int):
     return step
 
 
-def _dispatch_single_launch(buf, host, phases: int, src: str, n: int, stream, x_ptr: int, ids_ptr: int, w_ptr: int,
-                            global_scale: float, topk_ids, has_weights: bool):
-    """The one-local-rank dispatch's launch (from ``src`` input, on ``stream``: None is CuPy's current, a handle
-    a torch call's) and the round's bookkeeping; returns the :class:`Dispatched` (torch views when ``stream`` is
-    given), or None when the launch is not prepared or the device is not current (nothing done)."""
-    steps = host.steps.get((phases, src))
-    step = steps[n] if steps is not None else None
-    if step is None:
-        step = _dispatch_step(buf, host, phases, src, n)
-        if step is None:
-            return None
-    launch, ph, chunks, local = step
-    if (not local and host.ipc and "dispatch.cu" not in buf._launched) or _runtime.getDevice() != host.devices[0]:
-        return None
-    rounds = buf._rounds
-    seq = rounds["dispatches"] + 1
-    if stream is None:
-        d = Dispatched(*host.results[0], n, topk_ids, has_weights, buf, seq)
-        launch.launch_call(buf.num_sms, x_ptr, ids_ptr, w_ptr, n, global_scale, ph, chunks)
-    else:
-        d = Dispatched(*_torch_results(buf, host), n, topk_ids, has_weights, buf, seq, True)
-        launch.launch_call_on(stream, buf.num_sms, x_ptr, ids_ptr, w_ptr, n, global_scale, ph, chunks)
-    rounds["local"] = local
-    rounds["dispatches"] = seq
-    if not phases & PHASE_RECV:
-        rounds["pending"] = ("dispatch", seq)
-    return d
-
-
 def _dispatch(buf: Buffer, x, topk_ids, topk_weights, global_scale: float, phases: int, validate: bool = False):
     call = "cuep.dispatch" if phases & PHASE_RECV else "cuep.dispatch_async"
     recv = bool(phases & PHASE_RECV)
@@ -872,8 +844,28 @@ def _dispatch_single_torch(buf, x, topk_ids, topk_weights, global_scale, phases:
     wp = 0 if w is None else tensor_ptr(w, tb, ids_shape, tb.f32s, dev, 3)
     if w is not None and not wp:
         return None
-    return _dispatch_single_launch(buf, host, phases, "bf16" if x.dtype is tb.bf16 else "f32", n, tb.stream(dev),
-                                   xp, ip, wp, global_scale, topk_ids, w is not None)
+    src = "bf16" if x.dtype is tb.bf16 else "f32"
+    steps = host.steps.get((phases, src))
+    step = steps[n] if steps is not None else None
+    if step is None:
+        step = _dispatch_step(buf, host, phases, src, n)
+        if step is None:
+            return None
+    launch, ph, chunks, local = step
+    if (not local and host.ipc and "dispatch.cu" not in buf._launched) or _runtime.getDevice() != dev:
+        return None
+    rounds = buf._rounds
+    seq = rounds["dispatches"] + 1
+    d = _new_object(Dispatched)  # (filled in place, as in _dispatch_single)
+    d.tokens, d.scales, d.row_offsets, d.expert_ids, d.src_info, d.scales_offsets, d.rank = _torch_results(buf, host)
+    d.num_tokens, d._topk_ids, d._has_weights, d._buffer, d._seq, d._torch = n, topk_ids, w is not None, buf, seq, True
+    launch.call.pack_into(launch.raw, launch.call_offset, xp, ip, wp, n, global_scale, ph, chunks)
+    _kernels._launch_raw(launch.func, buf.num_sms, launch.block, launch.smem, launch.argv_ptr, tb.stream(dev))
+    rounds["local"] = local
+    rounds["dispatches"] = seq
+    if not phases & PHASE_RECV:
+        rounds["pending"] = ("dispatch", seq)
+    return d
 
 
 def _dispatch_torch(buf, x, topk_ids, topk_weights, global_scale, validate):
@@ -985,9 +977,24 @@ def _combine_wait_torch(buf, expert_out, dispatched, topk_weights, residual):
     return NotImplemented if out is None else out
 
 
-# The public calls try their common case first (one local rank, CuPy arrays, a prepared launch: _dispatch_single,
-# _combine_single), a direct call with no argument scan; everything else (torch tensors, several local ranks, the
-# first call of a shape, errors and their messages) goes to their _general function, which torch_aware wraps.
+# The public calls try their common case first (one local rank, CuPy arrays or torch tensors, a prepared launch:
+# _dispatch_single / _dispatch_single_torch, _combine_single / _combine_single_torch), a direct call with no argument
+# scan; everything else (several local ranks, the first call of a shape, errors and their messages) goes to their
+# _general function, which torch_aware wraps.
+def _is_tensor(a) -> bool:
+    """Whether ``a`` is a tensor of the torch module cuep's torch calls bound (none before the first torch call)."""
+    tb = _interop._bindings[0]
+    return tb is not None and type(a) is tb.tensor
+
+
+def _combine_either(buf, expert_out, dispatched, topk_weights, residual, phases: int):
+    """:func:`_combine_single` for CuPy arrays, :func:`_combine_single_torch` for torch tensors, else None."""
+    if type(expert_out) is _ND:
+        return _combine_single(buf, expert_out, dispatched, topk_weights, residual, phases)
+    return _combine_single_torch(buf, expert_out, dispatched, topk_weights, residual, phases) \
+        if _is_tensor(expert_out) else None
+
+
 def dispatch(buf: Buffer, x, topk_ids, topk_weights=None, *, global_scale: float = 1.0, validate: bool = False):
     """Send every token to the ranks of its top-k experts and lay them out expert-major (one launch per rank).
 
@@ -1009,8 +1016,12 @@ def dispatch(buf: Buffer, x, topk_ids, topk_weights=None, *, global_scale: float
     awaits its wait half. ``x`` must start on a 16-byte boundary, ``topk_ids`` / ``topk_weights`` on a 4-byte one
     (any fresh CuPy or torch allocation does; ``ValueError`` otherwise).
     """
-    d = None if validate else _dispatch_single(buf, x, topk_ids, topk_weights, global_scale, _PHASES_ALL)
-    return d if d is not None else _dispatch_general(buf, x, topk_ids, topk_weights, global_scale, validate)
+    if not validate:
+        d = _dispatch_single(buf, x, topk_ids, topk_weights, global_scale, _PHASES_ALL) if type(x) is _ND else \
+            _dispatch_single_torch(buf, x, topk_ids, topk_weights, global_scale, _PHASES_ALL) if _is_tensor(x) else None
+        if d is not None:
+            return d
+    return _dispatch_general(buf, x, topk_ids, topk_weights, global_scale, validate)
 
 
 @torch_aware(fast=_dispatch_torch)
@@ -1027,8 +1038,13 @@ def dispatch_async(buf: Buffer, x, topk_ids, topk_weights=None, *, global_scale:
     (no dispatch_async without its dispatch_wait, no combine_async without its combine_wait), and nothing but
     :func:`dispatch_wait` may run on ``buf`` until it has been called (``buf.reset()`` forgets the pending half).
     """
-    d = None if validate else _dispatch_single(buf, x, topk_ids, topk_weights, global_scale, PHASE_NOTIFY | PHASE_SEND)
-    return d if d is not None else _dispatch_async_general(buf, x, topk_ids, topk_weights, global_scale, validate)
+    if not validate:
+        send = PHASE_NOTIFY | PHASE_SEND
+        d = _dispatch_single(buf, x, topk_ids, topk_weights, global_scale, send) if type(x) is _ND else \
+            _dispatch_single_torch(buf, x, topk_ids, topk_weights, global_scale, send) if _is_tensor(x) else None
+        if d is not None:
+            return d
+    return _dispatch_async_general(buf, x, topk_ids, topk_weights, global_scale, validate)
 
 
 @torch_aware(fast=_dispatch_async_torch)
@@ -1044,7 +1060,7 @@ def dispatch_wait(pending):
     is pending, e.g. a second dispatch_wait or the results of a synchronous dispatch; ``ValueError`` for an earlier
     dispatch's results). Returns ``pending``, now valid for :func:`combine`.
     """
-    out = _dispatch_wait_single(pending, False)
+    out = _dispatch_wait_single(pending, pending._torch) if type(pending) is Dispatched else NotImplemented
     return out if out is not NotImplemented else _dispatch_wait_general(pending)
 
 
@@ -1424,7 +1440,7 @@ def combine(buf: Buffer, expert_out, dispatched, topk_weights=None, *, residual=
     ``topk_ids`` array (captured with it, or run with it before the replay). The host checks that pair each eager
     call; a replay skips them, and a combine reading another dispatch's rows may fault.
     """
-    out = _combine_single(buf, expert_out, dispatched, topk_weights, residual, _PHASES_ALL)
+    out = _combine_either(buf, expert_out, dispatched, topk_weights, residual, _PHASES_ALL)
     return out if out is not None else _combine_general(buf, expert_out, dispatched, topk_weights, residual)
 
 
@@ -1440,7 +1456,7 @@ def combine_async(buf: Buffer, expert_out, dispatched, topk_weights=None, *, res
     Nothing may be pending on ``buf`` (``RuntimeError``), and ``dispatched`` must be the results of its latest
     dispatch (``ValueError``); until :func:`combine_wait`, nothing else may run on ``buf``.
     """
-    if _combine_single(buf, expert_out, dispatched, topk_weights, residual, PHASE_NOTIFY | PHASE_SEND) is None:
+    if _combine_either(buf, expert_out, dispatched, topk_weights, residual, PHASE_NOTIFY | PHASE_SEND) is None:
         _combine_async_general(buf, expert_out, dispatched, topk_weights, residual)
 
 
@@ -1455,7 +1471,7 @@ def combine_wait(buf: Buffer, expert_out, dispatched, topk_weights=None, *, resi
     Needs the pending :func:`combine_async` (``RuntimeError`` otherwise: combine_wait without combine_async, or
     twice) and the same ``dispatched``, ``expert_out`` arrays and ``topk_weights`` (given or not) (``ValueError``).
     """
-    out = _combine_single(buf, expert_out, dispatched, topk_weights, residual, PHASE_RECV)
+    out = _combine_either(buf, expert_out, dispatched, topk_weights, residual, PHASE_RECV)
     return out if out is not None else _combine_wait_general(buf, expert_out, dispatched, topk_weights, residual)
 
 

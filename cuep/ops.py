@@ -369,6 +369,10 @@ def quantize(x: cupy.ndarray, fmt: str, global_scale: float = 1.0, out=None) -> 
             return done
         if type(global_scale) in (float, int) and _plain_out(out):
             return _quantize(x, fmt, global_scale, out)
+    elif _ep._is_tensor(x):  # torch's short path without torch_aware's argument scan
+        done = _quantize_torch(x, fmt, global_scale, out)
+        if done is not NotImplemented:
+            return done
     return _quantize_general(x, fmt, global_scale, out)
 
 
@@ -667,6 +671,10 @@ def fused_silu(h: cupy.ndarray, row_offsets: cupy.ndarray, out_fmt: str = "bf16"
             return done
         if type(global_scale) in (float, int) and _plain_out(out):
             return _fused_silu(h, row_offsets, out_fmt, interleaved, global_scale, out)
+    elif _ep._is_tensor(h):  # torch's short path without torch_aware's argument scan
+        done = _fused_silu_torch(h, row_offsets, out_fmt, interleaved, global_scale, out)
+        if done is not NotImplemented:
+            return done
     return _fused_silu_general(h, row_offsets, out_fmt, interleaved, global_scale, out)
 
 

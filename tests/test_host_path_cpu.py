@@ -985,6 +985,56 @@ def test_public_calls_take_the_plain_path_before_the_torch_scan(launches, torch,
     assert launches == [] and buf._rounds == before
 
 
+def test_public_torch_calls_take_the_torch_short_path_without_the_scan(launches, torch, monkeypatch):
+    """Once a torch call has bound the torch module (interop.torch_bindings), a public call with torch tensors in the
+    common case launches through the torch short path directly (no argument scan, no general function), the same
+    launches and round state as the short paths themselves; before that, it goes to the general function."""
+    from cuep import interop
+
+    buf = make_buffer("bf16")
+    x, ids, w = inputs(16)
+    eo = FakeArray((buf.cfg.capacity, H), BF16)
+    tx, tids, tw, teo = as_tensors(torch, x, ids, w, eo)
+    for phases in (ep._PHASES_ALL, ep.PHASE_NOTIFY | ep.PHASE_SEND):  # prepare every launch
+        d = ep._dispatch(buf, x, ids, w, 1.0, phases)[0]
+        if phases != ep._PHASES_ALL:
+            ep._dispatch_wait_general.__wrapped__(d)
+        for ph in (ep._PHASES_ALL, ep.PHASE_NOTIFY | ep.PHASE_SEND, ep.PHASE_RECV):
+            ep._combine(buf, eo, d, None, None, ph)
+    general = []
+    for name in ("_dispatch_general", "_dispatch_async_general", "_dispatch_wait_general", "_combine_general",
+                 "_combine_async_general", "_combine_wait_general"):
+        monkeypatch.setattr(ep, name, lambda *a, name=name: general.append(name) or name)
+    assert interop._bindings[0] is None and ep.dispatch(buf, tx, tids, tw) == "_dispatch_general"  # not bound yet
+    interop.torch_bindings()
+    general.clear()
+
+    def scan(*a):
+        raise AssertionError("the torch argument scan ran")
+
+    monkeypatch.setattr(interop, "_wants_torch", scan)
+    for async_ in (False, True):
+        before = dict(buf._rounds)
+        launches.clear()
+        d = ep.dispatch_wait(ep.dispatch_async(buf, tx, tids, tw)) if async_ else ep.dispatch(buf, tx, tids, tw)
+        assert d._torch and general == []
+        out = ep.combine(buf, teo, d)
+        assert ep.combine_async(buf, teo, d) is None and ep.combine_wait(buf, teo, d) is out
+        public, after = list(launches), dict(buf._rounds)
+        buf._rounds.clear()
+        buf._rounds.update(before)
+        launches.clear()
+        if async_:
+            d2 = ep._dispatch_single_torch(buf, tx, tids, tw, 1.0, ep.PHASE_NOTIFY | ep.PHASE_SEND)
+            assert ep._dispatch_wait_torch(d2) is d2
+        else:
+            d2 = ep._dispatch_single_torch(buf, tx, tids, tw, 1.0, ep._PHASES_ALL)
+        for ph in (ep._PHASES_ALL, ep.PHASE_NOTIFY | ep.PHASE_SEND, ep.PHASE_RECV):
+            ep._combine_single_torch(buf, teo, d2, None, None, ph)
+        assert public == launches and after == dict(buf._rounds) and len(public) == (5 if async_ else 3)
+    assert general == []
+
+
 def test_ops_plain_paths_call_the_op_without_the_torch_scan(ops_launches, torch, monkeypatch):
     """ops.quantize / ops.fused_silu with torch imported: a call of CuPy arrays and plain arguments goes straight to
     the op's body (the same launch as the body itself, no argument scan); any torch tensor, or an argument of
@@ -1028,6 +1078,40 @@ def test_ops_plain_paths_call_the_op_without_the_torch_scan(ops_launches, torch,
         got = ops.fused_silu(*args, **kw)
         assert got[0] == "general" and got[1][:len(args)] == args and len(got[1]) == 6, (args, kw)
     assert log == []
+
+
+def test_public_torch_ops_take_the_torch_short_path_without_the_scan(ops_launches, torch, monkeypatch):
+    """ops.quantize / ops.fused_silu with torch tensors, once the torch module is bound: the torch short path
+    directly (the same launch as calling it), no argument scan."""
+    from cuep import interop
+    from cuep.formats import FORMATS
+
+    ops, log = ops_launches
+    f, n = FORMATS["fp8"], 8
+    x = FakeArray((n, H), BF16)
+    p, s_ = FakeArray((n, f.payload_bytes(H)), np.uint8), FakeArray((n, f.scale_bytes(H)), np.uint8)
+    h, ro = FakeArray((16, 512), BF16), FakeArray((3,), np.int32)
+    silu_outs = tuple(FakeArray(s, d) for s, d in ops._silu_plan(ops.get_format("fp8"), h, False, 2, 0)[0])
+    ops._quantize(x, "fp8", out=(p, s_))  # the plans
+    ops._fused_silu(h, ro, "fp8", out=silu_outs)
+    T = torch.Tensor
+    tx, tp, ts, th, tro = T(x, torch.bfloat16), T(p, torch.uint8), T(s_, torch.uint8), T(h, torch.bfloat16), \
+        T(ro, torch.int32)
+    t_outs = (T(silu_outs[0], torch.uint8), T(silu_outs[1], torch.float32))
+    interop.torch_bindings()
+    log.clear()
+    assert ops._quantize_torch(tx, "fp8", 0.5, out=(tp, ts)) == (tp, ts)
+    assert ops._fused_silu_torch(th, tro, "fp8", False, 2.0, out=t_outs) == t_outs
+    direct = list(log)
+
+    def scan(*a):
+        raise AssertionError("the torch argument scan ran")
+
+    monkeypatch.setattr(interop, "_wants_torch", scan)
+    log.clear()
+    assert ops.quantize(tx, "fp8", 0.5, out=(tp, ts)) == (tp, ts)
+    assert ops.fused_silu(th, tro, "fp8", False, global_scale=2.0, out=t_outs) == t_outs
+    assert log == direct and len(direct) == 2
 
 
 @pytest.mark.parametrize("combine_dtype", ["bfloat16", "float32"])
