@@ -689,7 +689,7 @@ def _dispatch_single(buf, x, topk_ids, topk_weights, global_scale, phases: int):
     if host is None or not host.single or host.status[0] or buf._host_error is not None:
         return None
     rounds = buf._rounds
-    if rounds["pending"] is not None or type(x) is not _ND or type(global_scale) is not float \
+    if rounds["pending"] is not None or type(x) is not _ND or x.ndim != 2 or type(global_scale) is not float \
             or not GLOBAL_SCALE_MIN <= global_scale <= GLOBAL_SCALE_MAX:
         return None
     n, dev, w = len(x), host.devices[0], topk_weights
@@ -1238,7 +1238,7 @@ def _combine_single(buf, expert_out, dispatched, topk_weights, residual, phases:
         return None
     rounds, d, eo, w, rs = buf._rounds, dispatched, expert_out, topk_weights, residual
     if type(d) is not Dispatched or d._buffer is not buf or d._torch or d._seq != rounds["dispatches"] \
-            or type(eo) is not _ND:
+            or type(eo) is not _ND or eo.ndim != 2:
         return None
     rows, N, dev, cdts = len(eo), d.num_tokens, host.devices[0], host.cdts
     eo_ptr = _rows_ptr(eo, rows, host.hidden, cdts, dev, 15) if rows >= host.capacity else 0

@@ -218,6 +218,8 @@ def test_short_paths_leave_every_other_case_to_the_general_path(launches):
     before = dict(buf._rounds)
     all_ = ep._PHASES_ALL
     bad_dispatch = [
+        (FakeArray((), BF16), ids, w, 1.0),                          # 0-d (no len(): the general path says so)
+        (FakeArray((8, H, 1), BF16), ids, w, 1.0),                   # 3-d
         (FakeArray((8, H), np.float16), ids, w, 1.0),               # dtype
         (FakeArray((8, H + 8), BF16), ids, w, 1.0),                  # hidden
         (FakeArray((8, H), BF16, offset=8), ids, w, 1.0),           # alignment
@@ -235,10 +237,11 @@ def test_short_paths_leave_every_other_case_to_the_general_path(launches):
     ]
     for args in bad_dispatch:
         assert ep._dispatch_single(buf, *args, all_) is None
-    for args in bad_dispatch[:6] + bad_dispatch[7:-3]:  # the wrong ones: the general path names what is wrong
+    for args in bad_dispatch[:8] + bad_dispatch[9:-3]:  # the wrong ones: the general path names what is wrong
         with pytest.raises((TypeError, ValueError), match="x|topk|global_scale"):
             ep._dispatch(buf, *args, all_)
     bad_combine = [
+        (FakeArray((), BF16), d, None, None),                            # 0-d
         (FakeArray((buf.cfg.capacity - 1, H), BF16), d, None, None),  # rows
         (FakeArray((buf.cfg.capacity, H), np.float32), d, None, None),  # dtype
         (eo, d, FakeArray((8, K), np.float32), FakeArray((8, H + 8), BF16)),  # residual shape
