@@ -699,7 +699,17 @@ def _dispatch_single(buf, x, topk_ids, topk_weights, global_scale, phases: int):
     if not ip or w is not None and not wp:
         return None
     dt = x.dtype
-    src = "bf16" if dt is host.x_dtypes[0] or dt == host.x_dtypes[0] else "f32"
+    return _dispatch_round(buf, host, phases, "bf16" if dt is host.x_dtypes[0] or dt == host.x_dtypes[0] else "f32", n,
+                           dev, None, host.results[0], xp, ip, wp, global_scale, topk_ids, w is not None)
+
+
+def _dispatch_round(buf, host, phases: int, src: str, n: int, dev: int, stream, fixed: tuple, x_ptr: int,
+                    ids_ptr: int, w_ptr: int, global_scale: float, topk_ids, has_weights: bool):
+    """The one-local-rank dispatch's launch (from ``src`` input, on ``stream``: None is CuPy's current on ``dev``,
+    a handle a torch call's) and the round's bookkeeping, once :func:`_dispatch_single` or
+    :func:`_dispatch_single_torch` has tested the arguments; returns the :class:`Dispatched` (``fixed``: its first
+    fields, the rank's persistent outputs as CuPy arrays or torch views), or None when the launch is not prepared
+    or ``dev`` is not current (nothing done)."""
     steps = host.steps.get((phases, src))
     step = steps[n] if steps is not None else None
     if step is None:
@@ -709,14 +719,16 @@ def _dispatch_single(buf, x, topk_ids, topk_weights, global_scale, phases: int):
     launch, ph, chunks, local = step
     if (not local and host.ipc and "dispatch.cu" not in buf._launched) or _runtime.getDevice() != dev:
         return None
+    rounds = buf._rounds
     seq = rounds["dispatches"] + 1
     # the Dispatched, filled in place (half the time of calling its dataclass __init__ with 13 arguments)
     d = _new_object(Dispatched)
-    d.tokens, d.scales, d.row_offsets, d.expert_ids, d.src_info, d.scales_offsets, d.rank = host.results[0]
-    d.num_tokens, d._topk_ids, d._has_weights, d._buffer, d._seq, d._torch = n, topk_ids, w is not None, buf, seq, False
+    d.tokens, d.scales, d.row_offsets, d.expert_ids, d.src_info, d.scales_offsets, d.rank = fixed
+    d.num_tokens, d._topk_ids, d._has_weights, d._buffer, d._seq = n, topk_ids, has_weights, buf, seq
+    d._torch = stream is not None
     # launch.launch_call(...) without its call: the call's span packed, then the launch
-    launch.call.pack_into(launch.raw, launch.call_offset, xp, ip, wp, n, global_scale, ph, chunks)
-    _kernels._launch_raw(launch.func, buf.num_sms, launch.block, launch.smem, launch.argv_ptr, None, dev)
+    launch.call.pack_into(launch.raw, launch.call_offset, x_ptr, ids_ptr, w_ptr, n, global_scale, ph, chunks)
+    _kernels._launch_raw(launch.func, buf.num_sms, launch.block, launch.smem, launch.argv_ptr, stream, dev)
     rounds["local"] = local
     rounds["dispatches"] = seq
     if not phases & PHASE_RECV:
@@ -844,28 +856,8 @@ def _dispatch_single_torch(buf, x, topk_ids, topk_weights, global_scale, phases:
     wp = 0 if w is None else tensor_ptr(w, tb, ids_shape, tb.f32s, dev, 3)
     if w is not None and not wp:
         return None
-    src = "bf16" if x.dtype is tb.bf16 else "f32"
-    steps = host.steps.get((phases, src))
-    step = steps[n] if steps is not None else None
-    if step is None:
-        step = _dispatch_step(buf, host, phases, src, n)
-        if step is None:
-            return None
-    launch, ph, chunks, local = step
-    if (not local and host.ipc and "dispatch.cu" not in buf._launched) or _runtime.getDevice() != dev:
-        return None
-    rounds = buf._rounds
-    seq = rounds["dispatches"] + 1
-    d = _new_object(Dispatched)  # (filled in place, as in _dispatch_single)
-    d.tokens, d.scales, d.row_offsets, d.expert_ids, d.src_info, d.scales_offsets, d.rank = _torch_results(buf, host)
-    d.num_tokens, d._topk_ids, d._has_weights, d._buffer, d._seq, d._torch = n, topk_ids, w is not None, buf, seq, True
-    launch.call.pack_into(launch.raw, launch.call_offset, xp, ip, wp, n, global_scale, ph, chunks)
-    _kernels._launch_raw(launch.func, buf.num_sms, launch.block, launch.smem, launch.argv_ptr, tb.stream(dev))
-    rounds["local"] = local
-    rounds["dispatches"] = seq
-    if not phases & PHASE_RECV:
-        rounds["pending"] = ("dispatch", seq)
-    return d
+    return _dispatch_round(buf, host, phases, "bf16" if x.dtype is tb.bf16 else "f32", n, dev, tb.stream(dev),
+                           _torch_results(buf, host), xp, ip, wp, global_scale, topk_ids, w is not None)
 
 
 def _dispatch_torch(buf, x, topk_ids, topk_weights, global_scale, validate):

@@ -915,13 +915,37 @@ def test_one_rank_combine_launches_the_wide_kernel_for_whole_tokens(launches):
     assert [entry[0] for entry in launches] == ["combine.cu:cuep_combine_local_wide_bf16"] * 3
 
 
+def forbid_torch_scan(monkeypatch) -> None:
+    """torch_aware's argument scan (interop._wants_torch) raises from now on: a call that reaches it fails."""
+    from cuep import interop
+
+    def scan(*a):
+        raise AssertionError("the torch argument scan ran")
+
+    monkeypatch.setattr(interop, "_wants_torch", scan)
+
+
+def ops_plans(ops, silu_fmt: str) -> tuple:
+    """Stand-ins of a quantize call (fp8, 8 tokens, out given) and a fused_silu call (``silu_fmt``, 2 groups, out
+    given), each run once through the op's body so that its plan exists: (x, payload, scales, h, row_offsets,
+    fused_silu's outputs)."""
+    from cuep.formats import FORMATS
+
+    f, n = FORMATS["fp8"], 8
+    x = FakeArray((n, H), BF16)
+    p, s_ = FakeArray((n, f.payload_bytes(H)), np.uint8), FakeArray((n, f.scale_bytes(H)), np.uint8)
+    h, ro = FakeArray((16, 512), BF16), FakeArray((3,), np.int32)
+    silu_outs = tuple(FakeArray(s, d) for s, d in ops._silu_plan(ops.get_format(silu_fmt), h, False, 2, 0)[0])
+    ops._quantize(x, "fp8", out=(p, s_))
+    ops._fused_silu(h, ro, silu_fmt, out=silu_outs)
+    return x, p, s_, h, ro, silu_outs
+
+
 def test_public_calls_take_the_plain_path_before_the_torch_scan(launches, torch, monkeypatch):
     """With torch imported, a call of CuPy arrays in the common case launches through its short path
     (ep._dispatch_single, _combine_single, _dispatch_wait_single, tried by the public call first) without the
     argument scan, the same launch and round state as the short path itself; and the short paths take nothing with
     a torch argument: those calls go to the torch_aware general function (torch mode gives torch results)."""
-    from cuep import interop
-
     buf = make_buffer("bf16")
     x, ids, w = inputs(16)
     eo = FakeArray((buf.cfg.capacity, H), BF16)
@@ -932,10 +956,7 @@ def test_public_calls_take_the_plain_path_before_the_torch_scan(launches, torch,
         for ph in (ep._PHASES_ALL, ep.PHASE_NOTIFY | ep.PHASE_SEND, ep.PHASE_RECV):
             ep._combine(buf, eo, d, None, None, ph)
 
-    def scan(*a):
-        raise AssertionError("the torch argument scan ran")
-
-    monkeypatch.setattr(interop, "_wants_torch", scan)
+    forbid_torch_scan(monkeypatch)
     for async_ in (False, True):
         before = dict(buf._rounds)
         launches.clear()
@@ -1012,10 +1033,7 @@ def test_public_torch_calls_take_the_torch_short_path_without_the_scan(launches,
     interop.torch_bindings()
     general.clear()
 
-    def scan(*a):
-        raise AssertionError("the torch argument scan ran")
-
-    monkeypatch.setattr(interop, "_wants_torch", scan)
+    forbid_torch_scan(monkeypatch)
     for async_ in (False, True):
         before = dict(buf._rounds)
         launches.clear()
@@ -1042,26 +1060,14 @@ def test_ops_plain_paths_call_the_op_without_the_torch_scan(ops_launches, torch,
     """ops.quantize / ops.fused_silu with torch imported: a call of CuPy arrays and plain arguments goes straight to
     the op's body (the same launch as the body itself, no argument scan); any torch tensor, or an argument of
     another type (which could hold one), goes to the torch_aware general function, which scans."""
-    from cuep import interop
-    from cuep.formats import FORMATS
-
     ops, log = ops_launches
-    f, n = FORMATS["fp8"], 8
-    x = FakeArray((n, H), BF16)
-    p, s_ = FakeArray((n, f.payload_bytes(H)), np.uint8), FakeArray((n, f.scale_bytes(H)), np.uint8)
-    h, ro = FakeArray((16, 512), BF16), FakeArray((3,), np.int32)
-    silu_outs = tuple(FakeArray(s, d) for s, d in ops._silu_plan(ops.get_format("nvfp4"), h, False, 2, 0)[0])
-    ops._quantize(x, "fp8", out=(p, s_))  # the plans
-    ops._fused_silu(h, ro, "nvfp4", out=silu_outs)
+    x, p, s_, h, ro, silu_outs = ops_plans(ops, "nvfp4")
     log.clear()
     ops._quantize(x, "fp8", 0.5, out=(p, s_))
     ops._fused_silu(h, ro, "nvfp4", False, 2.0, out=silu_outs)
     direct = list(log)
 
-    def scan(*a):
-        raise AssertionError("the torch argument scan ran")
-
-    monkeypatch.setattr(interop, "_wants_torch", scan)
+    forbid_torch_scan(monkeypatch)
     log.clear()
     assert ops.quantize(x, "fp8", 0.5, out=(p, s_)) == (p, s_)
     assert ops.fused_silu(h, ro, "nvfp4", False, global_scale=2.0, out=silu_outs) == silu_outs
@@ -1087,16 +1093,9 @@ def test_public_torch_ops_take_the_torch_short_path_without_the_scan(ops_launche
     """ops.quantize / ops.fused_silu with torch tensors, once the torch module is bound: the torch short path
     directly (the same launch as calling it), no argument scan."""
     from cuep import interop
-    from cuep.formats import FORMATS
 
     ops, log = ops_launches
-    f, n = FORMATS["fp8"], 8
-    x = FakeArray((n, H), BF16)
-    p, s_ = FakeArray((n, f.payload_bytes(H)), np.uint8), FakeArray((n, f.scale_bytes(H)), np.uint8)
-    h, ro = FakeArray((16, 512), BF16), FakeArray((3,), np.int32)
-    silu_outs = tuple(FakeArray(s, d) for s, d in ops._silu_plan(ops.get_format("fp8"), h, False, 2, 0)[0])
-    ops._quantize(x, "fp8", out=(p, s_))  # the plans
-    ops._fused_silu(h, ro, "fp8", out=silu_outs)
+    x, p, s_, h, ro, silu_outs = ops_plans(ops, "fp8")
     T = torch.Tensor
     tx, tp, ts, th, tro = T(x, torch.bfloat16), T(p, torch.uint8), T(s_, torch.uint8), T(h, torch.bfloat16), \
         T(ro, torch.int32)
@@ -1107,10 +1106,7 @@ def test_public_torch_ops_take_the_torch_short_path_without_the_scan(ops_launche
     assert ops._fused_silu_torch(th, tro, "fp8", False, 2.0, out=t_outs) == t_outs
     direct = list(log)
 
-    def scan(*a):
-        raise AssertionError("the torch argument scan ran")
-
-    monkeypatch.setattr(interop, "_wants_torch", scan)
+    forbid_torch_scan(monkeypatch)
     log.clear()
     assert ops.quantize(tx, "fp8", 0.5, out=(tp, ts)) == (tp, ts)
     assert ops.fused_silu(th, tro, "fp8", False, global_scale=2.0, out=t_outs) == t_outs
