@@ -322,7 +322,7 @@ class PreparedLaunch:
     """
 
     __slots__ = ("kernel", "func", "block", "smem", "raw", "argv", "argv_ptr", "pack", "pack_offset", "call",
-                 "call_offset")
+                 "call_offset", "dependent")
 
     def __init__(self, fn, block: int, smem: int, size: int, arg_offsets, pack: struct.Struct, pack_offset: int = 0):
         self.kernel = fn  # keeps the module (and so the CUfunction) loaded
@@ -334,6 +334,13 @@ class PreparedLaunch:
         self.argv_ptr = ctypes.addressof(self.argv)
         self.pack, self.pack_offset = pack, pack_offset
         self.call, self.call_offset = pack, pack_offset
+        self.dependent = None  # a DependentLaunch: launched as a programmatic dependent (make_dependent)
+
+    def make_dependent(self, grid: int) -> None:
+        """Launch this kernel from now on as a programmatic dependent of the kernel before it in the stream
+        (:class:`DependentLaunch`, ``grid`` blocks): only for a kernel that runs ``griddepcontrol.wait`` before it
+        touches global memory (``await_previous_grid`` in ``cuda_src/common.cuh``)."""
+        self.dependent = DependentLaunch(self, grid)
 
     def set_call(self, call: struct.Struct, call_offset: int) -> None:
         """The part of the buffer that changes per call (:meth:`launch_call`); the rest stays as packed."""
@@ -346,32 +353,98 @@ class PreparedLaunch:
     def __call__(self, grid: int, *values) -> None:
         """Launch ``grid`` blocks on the current stream with ``values`` packed (in the order of ``pack``)."""
         self.pack.pack_into(self.raw, self.pack_offset, *values)
-        _launch_raw(self.func, grid, self.block, self.smem, self.argv_ptr)
+        _launch_raw(self.func, grid, self.block, self.smem, self.argv_ptr, None, -1, self.dependent)
 
     def launch_on(self, stream: int, grid: int, *values) -> None:
         """:meth:`__call__` on the stream handle ``stream`` instead of CuPy's current stream (a torch call's)."""
         self.pack.pack_into(self.raw, self.pack_offset, *values)
-        _launch_raw(self.func, grid, self.block, self.smem, self.argv_ptr, stream)
+        _launch_raw(self.func, grid, self.block, self.smem, self.argv_ptr, stream, -1, self.dependent)
 
     def launch_call(self, grid: int, *values) -> None:
         """Launch with only the call's span repacked (:meth:`set_call`; one full :meth:`__call__` or :meth:`write`
         first puts the fixed values after it): one ``pack_into`` of ``values``."""
         self.call.pack_into(self.raw, self.call_offset, *values)
-        _launch_raw(self.func, grid, self.block, self.smem, self.argv_ptr)
+        _launch_raw(self.func, grid, self.block, self.smem, self.argv_ptr, None, -1, self.dependent)
 
     def launch_call_on(self, stream: int, grid: int, *values) -> None:
         """:meth:`launch_call` on the stream handle ``stream`` instead of CuPy's current stream (a torch call's)."""
         self.call.pack_into(self.raw, self.call_offset, *values)
-        _launch_raw(self.func, grid, self.block, self.smem, self.argv_ptr, stream)
+        _launch_raw(self.func, grid, self.block, self.smem, self.argv_ptr, stream, -1, self.dependent)
+
+
+# ---- programmatic dependent launch ----------------------------------------------------------------------------------
+# cuLaunchKernelEx's CUlaunchConfig (cuda.h): grid x y z, block x y z, dynamic shared bytes, (pad) stream, attribute
+# array, attribute count; and one CUlaunchAttribute: id, (pad) value (a 64-byte union; this attribute's is an int)
+_LAUNCH_CONFIG = struct.Struct("<7I4xQQI4x")
+_LAUNCH_ATTRIBUTE = struct.Struct("<I4xi60x")
+_CONFIG_STREAM = struct.Struct("<Q")  # the config's stream field, at _CONFIG_STREAM_OFFSET
+_CONFIG_STREAM_OFFSET = 32
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+_launch_ex: list = []  # [libcuda's cuLaunchKernelEx], bound on first use
+
+
+class DependentLaunch:
+    """A :class:`PreparedLaunch` as a programmatic dependent launch (compute capability 9.0): ``cuLaunchKernelEx``
+    with programmatic stream serialization, so the kernel may be scheduled while the kernel before it in the stream
+    finishes (that kernel's blocks have all exited, or run ``griddepcontrol.launch_dependents``); the kernel itself
+    waits for that one (``griddepcontrol.wait``) before it touches global memory. A decode-size round then starts
+    about a microsecond earlier. The launch configuration is built once; a call writes its stream and launches with
+    the same four arguments (ctypes objects made once)."""
+
+    __slots__ = ("grid", "raw", "args", "call")
+
+    def __init__(self, launch: PreparedLaunch, grid: int):
+        size = _LAUNCH_CONFIG.size
+        self.grid = int(grid)
+        self.raw = (ctypes.c_char * (size + _LAUNCH_ATTRIBUTE.size))()
+        base = ctypes.addressof(self.raw)
+        _LAUNCH_CONFIG.pack_into(self.raw, 0, self.grid, 1, 1, launch.block, 1, 1, launch.smem, 0, base + size, 1)
+        _LAUNCH_ATTRIBUTE.pack_into(self.raw, size, _PROGRAMMATIC_STREAM_SERIALIZATION, 1)
+        # cuLaunchKernelEx(config, function, kernel parameters, extra): the driver function is bound at the first
+        # launch (a Buffer assembled without a GPU, in the CPU tests, never launches)
+        self.args = (ctypes.c_void_p(base), ctypes.c_void_p(launch.func), ctypes.c_void_p(launch.argv_ptr), None)
+        self.call = None
+
+
+def _driver_function(name: str):
+    """A CUDA driver API function by name, through ctypes (the library CuPy loaded), returning its CUresult."""
+    for lib in ("libcuda.so.1", "libcuda.so", "nvcuda.dll"):
+        try:
+            fn = getattr(ctypes.CDLL(lib), name)
+        except (OSError, AttributeError):
+            continue
+        fn.restype = ctypes.c_int
+        return fn
+    raise RuntimeError(f"cuep: the CUDA driver library has no {name}")
+
+
+def _launch_dependent(dep: DependentLaunch, grid: int, stream: int) -> None:
+    """:class:`DependentLaunch` ``dep`` on ``stream`` (a handle); raises CuPy's ``CUDADriverError`` on failure."""
+    if grid != dep.grid:
+        dep.grid = grid
+        struct.pack_into("<I", dep.raw, 0, grid)
+    _CONFIG_STREAM.pack_into(dep.raw, _CONFIG_STREAM_OFFSET, stream)
+    call = dep.call
+    if call is None:
+        if not _launch_ex:
+            _launch_ex.append(_driver_function("cuLaunchKernelEx"))
+        call = dep.call = functools.partial(_launch_ex[0], *dep.args)
+    status = call()
+    if status and _ensure_context():  # (no context current in this thread: as _launch_raw)
+        status = call()
+    if status:
+        raise _cuda[2](status)
 
 
 _cuda = None  # (driver.launchKernel, cupy.cuda.get_current_stream, CUDADriverError), bound on first launch
 
 
 def _launch_raw(func: int, grid: int, block: int, smem: int, argv_ptr: int, stream: int | None = None,
-                device: int = -1) -> None:
+                device: int = -1, dependent: DependentLaunch | None = None) -> None:
     """``cuLaunchKernel`` on ``stream`` (a handle; None: CuPy's current stream of ``device``, which must be the
-    current device: a caller that already asked which one saves CuPy asking the runtime again; -1: ask)."""
+    current device: a caller that already asked which one saves CuPy asking the runtime again; -1: ask);
+    ``dependent`` (the launch's :class:`DependentLaunch`, if it has one): the same launch as a programmatic
+    dependent, through ``cuLaunchKernelEx``."""
     global _cuda
     if _cuda is None:
         import cupy
@@ -381,6 +454,8 @@ def _launch_raw(func: int, grid: int, block: int, smem: int, argv_ptr: int, stre
     launch, current, error = _cuda
     if stream is None:
         stream = current(device).ptr
+    if dependent is not None:
+        return _launch_dependent(dependent, grid, stream)
     try:
         launch(func, grid, 1, 1, block, 1, 1, smem, stream, argv_ptr, 0)
     except error:

@@ -495,6 +495,8 @@ def _prepared(buf: Buffer, i: int, name: str, threads: int, smem: int):
     launch.write(dtype.fields["ep"][1], r.params.tobytes())
     launch.pack.pack_into(launch.raw, offset, *(fixed.get(n, 0) for n in names))
     launch.set_call(*span_struct(dtype, call))
+    if "_local_" in name:  # a one-rank kernel, which waits for the kernel before it first (await_previous_grid)
+        launch.make_dependent(buf.num_sms)
     host.launches[key] = launch
     return launch
 
@@ -728,7 +730,8 @@ def _dispatch_round(buf, host, phases: int, src: str, n: int, dev: int, stream, 
     d._torch = stream is not None
     # launch.launch_call(...) without its call: the call's span packed, then the launch
     launch.call.pack_into(launch.raw, launch.call_offset, x_ptr, ids_ptr, w_ptr, n, global_scale, ph, chunks)
-    _kernels._launch_raw(launch.func, buf.num_sms, launch.block, launch.smem, launch.argv_ptr, stream, dev)
+    _kernels._launch_raw(launch.func, buf.num_sms, launch.block, launch.smem, launch.argv_ptr, stream, dev,
+                         launch.dependent)
     rounds["local"] = local
     rounds["dispatches"] = seq
     if not phases & PHASE_RECV:
@@ -900,7 +903,7 @@ def _dispatch_wait_single(pending, torch: bool):
     else:  # (launch.launch_call without its call, as in _dispatch_single)
         launch.call.pack_into(launch.raw, launch.call_offset, 0, 0, 0, pending.num_tokens, 1.0, PHASE_RECV, 0)
         _kernels._launch_raw(launch.func, buf.num_sms, launch.block, launch.smem, launch.argv_ptr, None,
-                             host.devices[0])
+                             host.devices[0], launch.dependent)
     rounds["pending"] = None
     return pending
 
@@ -1258,7 +1261,8 @@ def _combine_single(buf, expert_out, dispatched, topk_weights, residual, phases:
         return None
     launch.call.pack_into(launch.raw, launch.call_offset, eo_ptr, d._topk_ids.data.ptr, wp, rp, out.data.ptr, N,
                           mode, ph, chunks)  # (launch.launch_call without its call, as in _dispatch_single)
-    _kernels._launch_raw(launch.func, buf.num_sms, launch.block, launch.smem, launch.argv_ptr, None, dev)
+    _kernels._launch_raw(launch.func, buf.num_sms, launch.block, launch.smem, launch.argv_ptr, None, dev,
+                         launch.dependent)
     rounds["pending"] = ("combine", rounds["dispatches"], [mode], [eo_ptr]) if phases == PHASE_NOTIFY | PHASE_SEND \
         else None
     return out

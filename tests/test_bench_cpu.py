@@ -751,3 +751,19 @@ def test_python_call_ns_times_an_empty_call():
 
     ns = floor.python_call_ns(reps=2000, repeat=3)
     assert type(ns) is float and 1.0 < ns < 10_000.0  # an empty call: tens of ns on any host
+
+
+def test_eager_chain_checks_its_arguments_before_any_gpu_work(capsys):
+    """benchmarks/eager_chain.py refuses bad counts and token numbers (naming them) before it imports CuPy's GPU
+    side or builds a Buffer."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("eager_chain", Path(__file__).parents[1] / "benchmarks" /
+                                                  "eager_chain.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for bad in (["--calls", "0"], ["--repeats", "0"], ["--tokens", "0"], ["--tokens", "4097"]):
+        with pytest.raises(SystemExit) as e:
+            mod.main(bad)
+        assert e.value.code == 2
+        assert "--calls and --repeats must be >= 1, --tokens in [1, 4096]" in capsys.readouterr().err

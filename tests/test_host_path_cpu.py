@@ -41,7 +41,8 @@ FakeArray, _Runtime = _hp.StandIn, _hp.StandInRuntime
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Stand-in CuPy for cuep.ep; every launch recorded as (kernel name, grid, block, smem, parameter bytes)."""
+    """Stand-in CuPy for cuep.ep; every launch recorded as (kernel name, grid, block, smem, parameter bytes, whether
+    a programmatic dependent launch)."""
     monkeypatch.setattr(ep, "_cupy", _hp.STAND_IN_CUPY)
     monkeypatch.setattr(ep, "_ND", FakeArray)
     monkeypatch.setattr(ep, "_runtime", _Runtime)
@@ -65,8 +66,8 @@ def launches(monkeypatch):
     monkeypatch.setattr(_kernels.PreparedLaunch, "__init__", register)
     STREAMS.clear()
 
-    def launch_raw(func, grid, block, smem, argv_ptr, stream=None, device=-1):  # (a torch call's stream apart)
-        log.append((names[func], grid, block, smem, bytes(by_argv[argv_ptr].raw)))
+    def launch_raw(func, grid, block, smem, argv_ptr, stream=None, device=-1, dependent=None):  # (torch: stream)
+        log.append((names[func], grid, block, smem, bytes(by_argv[argv_ptr].raw), dependent is not None))
         if stream is not None:
             STREAMS.append(stream)
 
@@ -144,6 +145,9 @@ def test_short_dispatch_launches_what_the_general_path_does(launches, fmt, ranks
         assert d_short is not None and len(l_general) == len(l_short) == 1
         assert l_general == l_short and s_general == s_short
         assert d_short == d_general  # every field (dataclass equality), the buffer and topk_ids included
+        # a fused one-rank call takes a one-rank kernel, launched as a programmatic dependent; no other launch is
+        name, dependent = l_short[0][0], l_short[0][5]
+        assert ("_local_" in name) == dependent == (ranks == 1 and phases == ep._PHASES_ALL)
 
 
 def combine_inputs(n: int, weights_at_dispatch: bool, combine_weights: bool, residual: bool) -> tuple:
@@ -175,6 +179,8 @@ def test_short_combine_launches_what_the_general_path_does(launches, weights_at_
         assert l_general == l_short and s_general == s_short
         # one-rank rounds: combine_async has nothing to send; otherwise every half launches
         assert len(l_short) == (0 if ranks == 1 and phases == ep.PHASE_NOTIFY | ep.PHASE_SEND else 1)
+        # the one-rank combine (after a fused one-rank dispatch) is a programmatic dependent, the protocol's not
+        assert all(("_local_" in name) == dependent == (ranks == 1) for name, *_, dependent in l_short)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
@@ -493,7 +499,8 @@ def ops_launches(monkeypatch, torch):
     monkeypatch.setattr(ops, "_prepare", prepare)
     log = []
 
-    def launch_raw(func, grid, block, smem, argv_ptr, stream=None, device=-1):
+    def launch_raw(func, grid, block, smem, argv_ptr, stream=None, device=-1, dependent=None):
+        assert dependent is None  # (the ops' kernels are launched the plain way)
         log.append((func, grid, block, smem, bytes(by_argv[argv_ptr].raw), stream))
 
     monkeypatch.setattr(_kernels, "_launch_raw", launch_raw)
@@ -1134,3 +1141,46 @@ def test_combine_kernel_choice(combine_dtype):
     chunks = ep._combine_chunks_of(buf, host, 16)
     assert ep._combine_kernel(buf, host, recv, ep.MODE_PARTIAL, True, 16) == (
         ep._combine_local_name(host, chunks), host.offsets_smem, chunks)
+
+
+def test_dependent_launch_config_is_cuda_h_layout(monkeypatch):
+    """A DependentLaunch's cuLaunchKernelEx arguments: CUlaunchConfig (grid, block, shared bytes, stream at byte 32,
+    the attribute array, one attribute) then one CUlaunchAttribute (id 6, programmatic stream serialization, value
+    1), as cuda.h lays them out; a launch writes its stream (and a new grid) and passes the same four arguments."""
+    import ctypes
+    import struct
+
+    fn = types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=0xF00D))
+    launch = _kernels.PreparedLaunch(fn, 512, 70000, 16, (0, 8), _kernels.slot_struct("Pi"))
+    launch.make_dependent(132)
+    dep = launch.dependent
+    base = ctypes.addressof(dep.raw)
+    assert (_kernels._LAUNCH_CONFIG.size, _kernels._LAUNCH_ATTRIBUTE.size, len(dep.raw)) == (56, 72, 128)
+    cfg = struct.unpack_from("<7I4xQQI4x", dep.raw, 0)
+    assert cfg == (132, 1, 1, 512, 1, 1, 70000, 0, base + 56, 1)
+    assert struct.unpack_from("<Ii", dep.raw, 56) == (6, 0) and struct.unpack_from("<i", dep.raw, 64) == (1,)
+    assert bytes(dep.raw[68:128]) == bytes(60)
+    calls = []
+
+    def driver(*args):
+        calls.append(tuple(a if a is None else a.value for a in args) + (bytes(dep.raw),))
+        return 0
+
+    monkeypatch.setattr(_kernels, "_launch_ex", [driver])
+    monkeypatch.setattr(_kernels, "_cuda", (None, None, RuntimeError))
+    _kernels._launch_raw(launch.func, 132, 512, 70000, launch.argv_ptr, 0x5000, 0, dep)
+    _kernels._launch_raw(launch.func, 66, 512, 70000, launch.argv_ptr, 0x6000, 0, dep)
+    (c1, f1, a1, e1, raw1), (c2, f2, a2, e2, raw2) = calls
+    assert (c1, f1, a1, e1) == (c2, f2, a2, e2) == (base, 0xF00D, launch.argv_ptr, None)
+    assert struct.unpack_from("<IQ", raw1, 0)[0] == 132 and struct.unpack_from("<Q", raw1, 32) == (0x5000,)
+    assert struct.unpack_from("<I", raw2, 0) == (66,) and struct.unpack_from("<Q", raw2, 32) == (0x6000,)
+    assert raw1[56:] == raw2[56:]  # the attribute untouched
+
+    def failing(*args):
+        return 1  # CUDA_ERROR_INVALID_VALUE
+
+    monkeypatch.setattr(_kernels, "_ensure_context", lambda: False)
+    dep.call = None
+    monkeypatch.setattr(_kernels, "_launch_ex", [failing])
+    with pytest.raises(RuntimeError):
+        _kernels._launch_raw(launch.func, 66, 512, 70000, launch.argv_ptr, 0x6000, 0, dep)

@@ -9,7 +9,7 @@ import pytest
 
 import cuep
 from cuep import reference as ref
-from ep_check import make_inputs, random_tokens, run_round, to_devices
+from ep_check import check_dispatch, make_inputs, random_tokens, random_values, run_round, to_devices
 
 FORMATS = ["bf16", "fp8", "nvfp4", "mxfp4"]
 
@@ -294,4 +294,86 @@ def test_local_round_in_a_cuda_graph(rng):
         want_rows = {(int(t), int(k)): np.asarray(want.tokens[i]).tobytes()
                      for i, (t, k) in enumerate(want.src_info[:rows]) if t >= 0}
         assert got_rows == want_rows
+    buf.close()
+
+
+# A kernel of the test's own that holds its 8 blocks for spin_ns, then copies each (src, dst, bytes) job: placed
+# right before a one-rank launch, it is the kernel that launch depends on, still running when the launch is scheduled.
+_SLOW_COPY = r"""
+extern "C" __global__ void slow_copy(const long long* jobs, int n_jobs, long long spin_ns) {
+    if (threadIdx.x == 0) {
+        unsigned long long t0, t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+        do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < (unsigned long long)spin_ns);
+    }
+    __syncthreads();
+    for (int j = 0; j < n_jobs; ++j) {
+        const unsigned char* src = reinterpret_cast<const unsigned char*>(jobs[3 * j]);
+        unsigned char* dst = reinterpret_cast<unsigned char*>(jobs[3 * j + 1]);
+        for (long long b = blockIdx.x * blockDim.x + threadIdx.x; b < jobs[3 * j + 2]; b += gridDim.x * blockDim.x)
+            dst[b] = src[b];
+    }
+}
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_dependent_launches_wait_for_the_kernel_before(fmt, rng):
+    # The one-rank kernels are launched as programmatic dependents (cuep/_kernels.py DependentLaunch): scheduled while
+    # the kernel before them finishes. Here that kernel spins 50 us, then writes the round's inputs (x, ids, weights;
+    # expert_out before a combine) and reads the previous round's outputs (tokens; the combined rows) that the
+    # launch overwrites: every round exact, every snapshot the round before's.
+    import cupy
+
+    cfg, buf = make(dispatch_format=fmt)
+    slow = cupy.RawKernel(_SLOW_COPY, "slow_copy")
+
+    def slow_copy(*jobs):
+        table = cupy.asarray(np.array([v for src, dst in jobs for v in (src.data.ptr, dst.data.ptr, src.nbytes)],
+                                      dtype=np.int64))
+        for src, dst in jobs:
+            assert src.nbytes == dst.nbytes and src.flags.c_contiguous and dst.flags.c_contiguous
+        slow((8,), (256,), (table, np.int32(len(jobs)), np.int64(50_000)))
+        return table  # (kept alive until the copy has run)
+
+    n_max = cfg.max_tokens_per_rank
+    gx = cupy.zeros((n_max, cfg.hidden), dtype=random_tokens(rng, 1, 8).dtype)
+    gids, gws = cupy.zeros((n_max, cfg.top_k), np.int32), cupy.zeros((n_max, cfg.top_k), np.float32)
+    g_eo = cupy.zeros((cfg.capacity, cfg.hidden), dtype=gx.dtype)
+    # a first round allocates the combined rows and prepares the launches: every round below takes the short path
+    run_round(buf, cfg, rng, [5])
+    prev_tokens, prev_out = buf._ranks[0].tokens.get().tobytes(), buf._ranks[0].combined.get().tobytes()
+    for n in (1, 32, 48, 17, 1, 40):
+        xs, ids, ws = make_inputs(rng, cfg, [n])
+        want = ref.dispatch([np.asarray(xs[0])], ids, cfg)
+        sx, sids, sws = cupy.asarray(xs[0]), cupy.asarray(ids[0]), cupy.asarray(ws[0])
+        x, i_, w = gx[:n], gids[:n], gws[:n]
+        d_tokens = buf._ranks[0].tokens
+        snap_tokens = cupy.empty_like(d_tokens)
+        keep = slow_copy((d_tokens, snap_tokens), (sx, x), (sids, i_), (sws, w))
+        d = cuep.dispatch(buf, x, i_, w)
+        buf.synchronize()
+        del keep
+        assert snap_tokens.get().tobytes() == prev_tokens  # read before this round's dispatch overwrote it
+        perm = check_dispatch(buf, [d], want, cfg)[0]
+        prev_tokens = d_tokens.get().tobytes()
+        eo_ref = [random_values(rng, want[0].n_rows, cfg.hidden, gx.dtype)]
+        full = np.full((cfg.capacity, cfg.hidden), np.nan, dtype=gx.dtype)
+        full[:want[0].n_rows] = eo_ref[0][perm]
+        s_eo = cupy.asarray(full)
+        out_rows = buf._ranks[0].combined
+        snap_out = cupy.empty_like(out_rows)
+        keep = slow_copy((out_rows, snap_out), (s_eo, g_eo))
+        out = cuep.combine(buf, g_eo, d)
+        buf.synchronize()
+        del keep
+        assert snap_out.get().tobytes() == prev_out
+        prev_out = out_rows.get().tobytes()
+        want_c = ref.combine(eo_ref, want, ws, cfg, num_tokens=[n])[0]
+        np.testing.assert_allclose(out.get().astype(np.float32), want_c, rtol=2e-2,
+                                   atol=2e-2 * max(1.0, float(np.abs(want_c).max())))
+    host = buf._launch_cache["host"]
+    dependents = {key[1] for key, launch in host.launches.items() if launch.dependent is not None}
+    assert dependents and all("_local_" in name for name in dependents), dependents
     buf.close()

@@ -84,11 +84,12 @@ CUEP_COMBINE(cuep_combine_bf16, cuep::bf16_t)
 CUEP_COMBINE(cuep_combine_f32, float)
 
 // The one-rank combine (combine/local.cuh), a kernel of its own: cuep/ep.py launches it for a fused combine after a
-// one-rank dispatch (cuep_dispatch_local_*) of the same round.
+// one-rank dispatch (cuep_dispatch_local_*) of the same round, as a programmatic dependent (await_previous_grid).
 // cuep_combine_local_wide_bf16 keeps 8 rows' loads in flight, for rounds whose items are whole tokens.
 #define CUEP_COMBINE_LOCAL(NAME, TC, ROWS)                                                                   \
     extern "C" __global__ void __launch_bounds__(cuep::kCombineThreads, 1)                                   \
         NAME(const __grid_constant__ cuep::CombineParams params) {                                           \
+        cuep::await_previous_grid();                                                                         \
         const cuep::CombineArgs call = params.call;                                                          \
         if (params.ep.n_ranks == 1) cuep::combine_local<TC, ROWS>(params.ep, call); /* (checks failed) */    \
     }

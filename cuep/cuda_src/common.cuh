@@ -134,6 +134,17 @@ __device__ __forceinline__ void release_add_count(int* p, int v, bool reader_on_
     red_add_relaxed_sys(p, v);
 }
 
+// ---- programmatic dependent launch ---------------------------------------------------------------------
+// A kernel that cuep/_kernels.py launches as a programmatic dependent (DependentLaunch: the one-rank kernels) may be
+// scheduled while the kernel before it in the stream is finishing; it calls this first, before touching global
+// memory. It lets the next such kernel be scheduled as soon as every block of this one has started (that kernel
+// waits here in turn, so nothing is read early), then waits until the kernel before has completed and its memory
+// operations are visible. Both instructions return at once in a kernel launched the plain way.
+__device__ __forceinline__ void await_previous_grid() {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
 // ---- completion signal ---------------------------------------------------------------------------------
 // Publish `count` at `slot` (a peer's recv_count). All but the last signal bound for one rank may be plain
 // relaxed stores; the last one is a release store, which orders every earlier write of this thread (and, after

@@ -145,9 +145,9 @@ CUEP_EACH_DISPATCH(CUEP_DISPATCH)
 
 // The one-rank rounds (dispatch/local.cuh), kernels of their own so that neither path's registers limit the other's.
 // cuep/ep.py launches them for a fused call when the group is one rank: a small round (cuep_dispatch_local_*) or a
-// larger one (cuep_dispatch_local_large_*), one launch each; a small round that encodes, of at most kSplitTokens
-// tokens whose items fit the item warps (cuep/ep.py _split_fits), laid out split (cuep_dispatch_local_split_*:
-// never bf16 from bf16, whose copy is the plain one's).
+// larger one (cuep_dispatch_local_large_*), one launch each, as programmatic dependents (await_previous_grid); a
+// small round that encodes, of at most kSplitTokens tokens whose items fit the item warps (cuep/ep.py _split_fits),
+// laid out split (cuep_dispatch_local_split_*: never bf16 from bf16, whose copy is the plain one's).
 #define CUEP_LOCAL_KERNEL(NAME)                                                                              \
     extern "C" __global__ void __launch_bounds__(cuep::kDispatchThreads, 1)                                  \
         NAME(const __grid_constant__ cuep::DispatchParams params)
@@ -155,6 +155,7 @@ CUEP_EACH_DISPATCH(CUEP_DISPATCH)
 #define CUEP_DISPATCH_LOCAL_SMALL(KIND, SPLIT, FMT_NAME, SRC_NAME, FMT, T)                                   \
     CUEP_LOCAL_KERNEL(cuep_dispatch_##KIND##FMT_NAME##_from_##SRC_NAME) {                                    \
         extern __shared__ __align__(16) char smem[];                                                         \
+        cuep::await_previous_grid();                                                                         \
         const cuep::DispatchArgs call = params.call;                                                         \
         /* (the failed flag is checked inside, once the layout is built: its load then costs no latency) */     \
         if (cuep::local_round(params.ep, call.phases) && cuep::small_round(params.ep, call.num_tokens))       \
@@ -167,6 +168,7 @@ CUEP_EACH_DISPATCH(CUEP_DISPATCH)
 #define CUEP_DISPATCH_LOCAL_LARGE(FMT_NAME, SRC_NAME, FMT, T)                                                \
     CUEP_LOCAL_KERNEL(cuep_dispatch_local_large_##FMT_NAME##_from_##SRC_NAME) {                              \
         extern __shared__ __align__(16) char smem[];                                                         \
+        cuep::await_previous_grid();                                                                         \
         const cuep::DispatchArgs call = params.call;                                                         \
         if (cuep::local_round(params.ep, call.phases) && !cuep::has_failed(params.ep))                       \
             cuep::dispatch_local_large<cuep::FMT, T>(params.ep, call, smem);                                  \
