@@ -7,7 +7,8 @@ or a baseline's and this tree's in one process, alternating.
     python benchmarks/eager_chain.py --base-dir ../old/cuep   # a baseline package directory (no git needed)
 
 One real rank (every expert local), H = 7168, K = 8, E = 256, max_tokens_per_rank 4096. Per (format, N): ``--calls``
-calls (``dispatch``, or ``dispatch`` then ``combine`` with the weights given at dispatch) queued behind a start gate
+calls (``dispatch``, ``dispatch`` then ``combine`` with the weights given at dispatch, and with ``--ops``
+``ops.quantize`` of x to fp8 and ``ops.fused_silu`` to fp8 of [N K, 2 H] rows, outputs given) queued behind a start gate
 (``cuep.bench.timing.StartGate``: the host's launch cost stays out), one CUDA event before the first and one after
 the last, nothing between them (``python -m cuep.bench --floor`` puts an event around each call, and its chain is a
 CUDA graph): us per call, median of ``--repeats``. What a call gains from the kernel before it ending early (the
@@ -33,6 +34,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", nargs="+", type=int, default=[1, 32, 128], help="N (default %(default)s)")
     p.add_argument("--calls", type=int, default=16, help="calls queued between the two events (default %(default)s)")
     p.add_argument("--repeats", type=int, default=15, help="timed chains per case and package (default %(default)s)")
+    p.add_argument("--ops", action="store_true", help="also chains of ops.quantize and ops.fused_silu (fp8)")
     p.add_argument("--device", type=int, default=0)
     args = p.parse_args(argv)
     if args.calls < 1 or args.repeats < 1 or min(args.tokens) < 1 or max(args.tokens) > T:
@@ -48,7 +50,10 @@ def main(argv=None) -> int:
     dev = args.device
     cupy.cuda.Device(dev).use()
     gate = StartGate([dev])
-    kinds = ("dispatch", "dispatch + combine")
+    ops_kinds = ("quantize fp8", "fused_silu fp8") if args.ops else ()  # (timed with the first format's Buffers)
+
+    def kinds_of(fmt: str) -> tuple:
+        return ("dispatch", "dispatch + combine") + (ops_kinds if fmt == args.formats[0] else ())
     res: dict = {}
     for fmt in args.formats:
         bufs = {}
@@ -64,8 +69,21 @@ def main(argv=None) -> int:
                 eos[label] = eo = cupy.zeros((cfg.capacity, H), dtype=x.dtype)
                 for _ in range(3):  # compile, prepare the launches, warm up
                     pkg.combine(buf, eo, pkg.dispatch(buf, x, ids, w))
+            if ops_kinds and fmt == args.formats[0]:  # (the same arrays for both packages, never read)
+                from cuep.formats import FORMATS
+
+                f8 = FORMATS["fp8"]
+                q_out = (cupy.empty((n, f8.payload_bytes(H)), cupy.uint8), cupy.empty((n, f8.scale_bytes(H)),
+                                                                                      cupy.uint8))
+                h = cupy.zeros((n * K, 2 * H), dtype=x.dtype)
+                ro = cupy.asarray([0, n * K], dtype=cupy.int32)
+                s_out = (cupy.empty((n * K, H), cupy.uint8), cupy.empty((f8.n_scales(H), n * K), cupy.float32))
+                for pkg, _, _ in bufs.values():
+                    for _ in range(3):
+                        pkg.ops.quantize(x, "fp8", out=q_out)
+                        pkg.ops.fused_silu(h, ro, "fp8", out=s_out)
             cupy.cuda.runtime.deviceSynchronize()
-            for kind in kinds:
+            for kind in kinds_of(fmt):
                 for rep in range(args.repeats):
                     for label in (list(bufs) if rep % 2 == 0 else list(bufs)[::-1]):
                         pkg, buf, _ = bufs[label]
@@ -75,9 +93,14 @@ def main(argv=None) -> int:
                         start.record()
                         try:
                             for _ in range(args.calls):
-                                d = pkg.dispatch(buf, x, ids, w)
-                                if kind != "dispatch":
-                                    pkg.combine(buf, eo, d)
+                                if kind == "quantize fp8":
+                                    pkg.ops.quantize(x, "fp8", out=q_out)
+                                elif kind == "fused_silu fp8":
+                                    pkg.ops.fused_silu(h, ro, "fp8", out=s_out)
+                                else:
+                                    d = pkg.dispatch(buf, x, ids, w)
+                                    if kind != "dispatch":
+                                        pkg.combine(buf, eo, d)
                             end.record()
                         finally:
                             gate.release()
@@ -99,7 +122,7 @@ def main(argv=None) -> int:
     print("| " + " | ".join("---" for _ in head) + " |")
     for fmt in args.formats:
         for n in args.tokens:
-            for kind in kinds:
+            for kind in kinds_of(fmt):
                 meds = [statistics.median(res[(fmt, n, kind, lb)]) for lb in labels]
                 row = [fmt, str(n), kind] + [f"{m:.2f}" for m in meds]
                 if len(meds) == 2:

@@ -7,7 +7,8 @@ Every piece runs ``--reps`` times behind one spin kernel (the GPU stays busy, so
 of ``--batches`` batches of per-call means is printed: Python's own call, CuPy's current-stream lookup, a driver
 launch of an empty kernel with an 8-byte and a 536-byte parameter (cuep's dispatch struct) on the legacy default
 stream and on a non-blocking stream, CuPy's RawKernel call, and cuep's host steps on a one-rank buffer (argument
-checks, buffer check, result records, the prepared launch's packing, whole calls). Nothing is asserted.
+checks, buffer check, result records, the prepared launch's packing, the one-rank launch through cuLaunchKernel
+and as a programmatic dependent through cuLaunchKernelEx, whole calls). Nothing is asserted.
 """
 from __future__ import annotations
 
@@ -134,6 +135,12 @@ def main(argv=None) -> int:
                 _kernels._launch_raw = real_launch
         return run
 
+    # the one-rank launch both ways: cuLaunchKernel (CuPy's driver binding) and cuLaunchKernelEx as a programmatic
+    # dependent (ctypes), which cuep uses for it
+    pieces["prepared launch, plain (cuLaunchKernel)"] = lambda: _kernels._launch_raw(
+        prep.func, buf.num_sms, prep.block, prep.smem, prep.argv_ptr, None, 0)
+    pieces["prepared launch, dependent (cuLaunchKernelEx)"] = lambda: _kernels._launch_raw(
+        prep.func, buf.num_sms, prep.block, prep.smem, prep.argv_ptr, None, 0, prep.dependent)
     pieces["cuep.dispatch (whole)"] = whole_dispatch
     pieces["cuep.dispatch (launch stubbed)"] = stubbed(whole_dispatch)
     pieces["cuep.dispatch + combine (whole)"] = whole_pair

@@ -244,3 +244,40 @@ def run_round(buf, cfg, rng, n_tokens, *, skew=False, weights_at="dispatch", che
             tol = 2e-2 if cdt == BF16 else 1e-5
             np.testing.assert_allclose(o, wc, rtol=tol, atol=tol * scale, err_msg=f"rank {r} combine")
     return got
+
+
+# A kernel of the tests' own that holds its 8 blocks for 50 us, then copies each (src, dst) job byte by byte: queued
+# right before a launch of cuep's, it is the kernel that launch depends on, still running when a programmatic
+# dependent launch is scheduled (cuep/_kernels.py DependentLaunch).
+_SLOW_COPY = r"""
+extern "C" __global__ void slow_copy(const long long* jobs, int n_jobs, long long spin_ns) {
+    if (threadIdx.x == 0) {
+        unsigned long long t0, t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+        do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < (unsigned long long)spin_ns);
+    }
+    __syncthreads();
+    for (int j = 0; j < n_jobs; ++j) {
+        const unsigned char* src = reinterpret_cast<const unsigned char*>(jobs[3 * j]);
+        unsigned char* dst = reinterpret_cast<unsigned char*>(jobs[3 * j + 1]);
+        for (long long b = blockIdx.x * blockDim.x + threadIdx.x; b < jobs[3 * j + 2]; b += gridDim.x * blockDim.x)
+            dst[b] = src[b];
+    }
+}
+"""
+_slow_kernel: list = []
+
+
+def slow_copy(*jobs):
+    """Queue the slow copy of ``jobs`` ((src, dst) C-contiguous CuPy arrays of equal bytes) on the current stream;
+    returns its job table, which must stay alive until the copy has run."""
+    import cupy
+
+    if not _slow_kernel:
+        _slow_kernel.append(cupy.RawKernel(_SLOW_COPY, "slow_copy"))
+    for src, dst in jobs:
+        assert src.nbytes == dst.nbytes and src.flags.c_contiguous and dst.flags.c_contiguous
+    table = cupy.asarray(np.array([v for src, dst in jobs for v in (src.data.ptr, dst.data.ptr, src.nbytes)],
+                                  dtype=np.int64))
+    _slow_kernel[0]((8,), (256,), (table, np.int32(len(jobs)), np.int64(50_000)))
+    return table

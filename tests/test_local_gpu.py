@@ -9,7 +9,7 @@ import pytest
 
 import cuep
 from cuep import reference as ref
-from ep_check import check_dispatch, make_inputs, random_tokens, random_values, run_round, to_devices
+from ep_check import check_dispatch, make_inputs, random_tokens, random_values, run_round, slow_copy, to_devices
 
 FORMATS = ["bf16", "fp8", "nvfp4", "mxfp4"]
 
@@ -297,26 +297,6 @@ def test_local_round_in_a_cuda_graph(rng):
     buf.close()
 
 
-# A kernel of the test's own that holds its 8 blocks for spin_ns, then copies each (src, dst, bytes) job: placed
-# right before a one-rank launch, it is the kernel that launch depends on, still running when the launch is scheduled.
-_SLOW_COPY = r"""
-extern "C" __global__ void slow_copy(const long long* jobs, int n_jobs, long long spin_ns) {
-    if (threadIdx.x == 0) {
-        unsigned long long t0, t;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-        do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < (unsigned long long)spin_ns);
-    }
-    __syncthreads();
-    for (int j = 0; j < n_jobs; ++j) {
-        const unsigned char* src = reinterpret_cast<const unsigned char*>(jobs[3 * j]);
-        unsigned char* dst = reinterpret_cast<unsigned char*>(jobs[3 * j + 1]);
-        for (long long b = blockIdx.x * blockDim.x + threadIdx.x; b < jobs[3 * j + 2]; b += gridDim.x * blockDim.x)
-            dst[b] = src[b];
-    }
-}
-"""
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 def test_dependent_launches_wait_for_the_kernel_before(fmt, rng):
@@ -327,16 +307,6 @@ def test_dependent_launches_wait_for_the_kernel_before(fmt, rng):
     import cupy
 
     cfg, buf = make(dispatch_format=fmt)
-    slow = cupy.RawKernel(_SLOW_COPY, "slow_copy")
-
-    def slow_copy(*jobs):
-        table = cupy.asarray(np.array([v for src, dst in jobs for v in (src.data.ptr, dst.data.ptr, src.nbytes)],
-                                      dtype=np.int64))
-        for src, dst in jobs:
-            assert src.nbytes == dst.nbytes and src.flags.c_contiguous and dst.flags.c_contiguous
-        slow((8,), (256,), (table, np.int32(len(jobs)), np.int64(50_000)))
-        return table  # (kept alive until the copy has run)
-
     n_max = cfg.max_tokens_per_rank
     gx = cupy.zeros((n_max, cfg.hidden), dtype=random_tokens(rng, 1, 8).dtype)
     gids, gws = cupy.zeros((n_max, cfg.top_k), np.int32), cupy.zeros((n_max, cfg.top_k), np.float32)

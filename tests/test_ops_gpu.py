@@ -563,6 +563,70 @@ def test_fused_silu_reads_the_row_count_on_the_device(rng):
     assert (bits(y[20:]) == poison_bits(np.uint16)).all()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", QUANT_FORMATS)
+def test_ops_wait_for_the_kernel_before(rng, fmt):
+    """The ops' kernels launch as programmatic dependents (cuep/_kernels.py DependentLaunch): a kernel held 50 us
+    before each op (ep_check.slow_copy) writes the op's input and reads the output the op overwrites. Every round
+    bit for bit (quantize, dequantize; fused_silu for fp8, swizzle_block_scales for fp4), every snapshot the round
+    before's."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from ep_check import slow_copy
+
+    n, h = 37, 7168
+    f = formats.FORMATS[fmt]
+    g = 0.6875 if fmt == "nvfp4" else 1.0
+    ro_np = np.array([0, 4, 4, 20, 36], np.int32)  # (fp8 output groups padded to 4 rows)
+    ro = cupy.asarray(ro_np)
+    x_dev = cupy.empty((n, h), BF16)
+    q = (poisoned((n, f.payload_bytes(h)), np.uint8), poisoned((n, f.scale_bytes(h)), np.uint8))
+    back = poisoned((n, h), np.float32)
+    h_dev = cupy.empty((n, 2 * h), BF16)
+    s_out = (poisoned((n, h), np.uint8), poisoned((h // 128, n), np.float32)) if fmt == "fp8" else None
+    size = (-(-n // 128) + 4) * f.scale_k_tiles(h) * 512
+    sw = (poisoned((size,), np.uint8), poisoned((4,), np.uint32)) if f.swizzled_scales else None
+    before = None
+    for _ in range(4):
+        x = random_rows(rng, n, h, BF16)
+        hs = _silu_input(rng, n, h, BF16, int(ro_np[-1]))
+        want_p, want_s = ref.quantize(x, fmt, g)
+        outs = (q[0], back) + ((s_out[0],) if s_out else ()) + ((sw[0],) if sw else ())
+        snaps = [cupy.empty_like(o) for o in outs]
+        keep = [slow_copy((q[0], snaps[0]), (to_dev(x), x_dev))]
+        ops.quantize(x_dev, fmt, g, out=q)
+        keep.append(slow_copy((back, snaps[1])))
+        ops.dequantize(*q, fmt, h, g, out=back)
+        if s_out:
+            keep.append(slow_copy((s_out[0], snaps[2]), (to_dev(hs), h_dev)))
+            ops.fused_silu(h_dev, ro, "fp8", out=s_out)
+        if sw:
+            keep.append(slow_copy((sw[0], snaps[-1])))
+            ops.swizzle_block_scales(q[1], ro, fmt, h, out=sw)
+        cupy.cuda.get_current_stream().synchronize()
+        del keep
+        now = [o.get() for o in outs]
+        if before is not None:
+            for a, b, name in zip(snaps, before, ("payload", "dequantized", "third output", "fourth output")):
+                assert a.get().tobytes() == b.tobytes(), f"{name}: the snapshot is not the round before's"
+        before = now
+        assert_same_bits(q[0].get(), want_p, "quantize payload")
+        assert_same_bits(q[1].get(), want_s, "quantize scales")
+        assert_same_bits(back.get(), ref.dequantize(want_p, want_s, fmt, h, g), "dequantize")
+        if s_out:
+            rows = int(ro_np[-1])
+            want = ref_ep.fused_silu(hs, ro_np, "fp8", False, 1.0)
+            assert_same_bits(s_out[0].get()[:rows], want[0], "fused_silu payload")
+            assert_same_bits(s_out[1].get()[:, :rows], want[1], "fused_silu scales")
+        if sw:
+            want_sw, want_off = ref.swizzle_block_scales(want_s, ro_np, fmt, h)
+            assert_same_bits(sw[0].get()[: want_sw.size], want_sw, "swizzled tiles")
+            assert_same_bits(sw[1].get(), want_off, "scales_offsets")
+    assert all(launch.dependent is not None for launch, _, _ in ops._prepared.values())
+
+
 # ---- argument checks on the GPU ------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", QUANT_FORMATS)
