@@ -55,6 +55,7 @@ def main(argv=None) -> int:
     def kinds_of(fmt: str) -> tuple:
         return ("dispatch", "dispatch + combine") + (ops_kinds if fmt == args.formats[0] else ())
     res: dict = {}
+    d = None
     for fmt in args.formats:
         bufs = {}
         for label, pkg in pkgs.items():
@@ -105,6 +106,10 @@ def main(argv=None) -> int:
                         finally:
                             gate.release()
                         end.synchronize()
+                        # the last Dispatched goes here, not at the next chain's first call: one that outlives its
+                        # Buffer's close() frees that Buffer's memory when dropped (cudaFree waits for the device,
+                        # which a held start gate never lets finish)
+                        d = None
                         gate.check()
                         res.setdefault((fmt, n, kind, label), []).append(
                             cupy.cuda.get_elapsed_time(start, end) * 1e3 / args.calls)

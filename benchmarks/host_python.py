@@ -155,7 +155,6 @@ def cases(pkg) -> dict:
     for fmt in ("fp8", "nvfp4"):
         launch = kernels.PreparedLaunch(fn, 512, 0, 8 * len(sig), tuple(range(0, 8 * len(sig), 8)),
                                         kernels.slot_struct(sig))
-        launch.make_dependent(1)  # (as ops._prepare)
         ops._prepared[("quantize.cu", f"quantize_{fmt}_bf16", 0, 0)] = (launch, 1024, sig)
         f = pkg.formats.FORMATS[fmt]
         xq = StandIn((N, H), bf16)
@@ -163,7 +162,6 @@ def cases(pkg) -> dict:
         out[f"ops.quantize {fmt} (out=)"] = lambda xq=xq, fmt=fmt, outs=outs: pkg.ops.quantize(xq, fmt, out=outs)
         launch = kernels.PreparedLaunch(fn, 256, 0, 8 * len(sig), tuple(range(0, 8 * len(sig), 8)),
                                         kernels.slot_struct(sig))
-        launch.make_dependent(1)  # (as ops._prepare)
         ops._prepared[("quantize.cu", f"dequantize_{fmt}", 0, 0)] = (launch, 1024, sig)
         back = StandIn((N, H), np.float32)
         out[f"ops.dequantize {fmt} (out=)"] = lambda fmt=fmt, outs=outs, back=back: pkg.ops.dequantize(
@@ -174,7 +172,6 @@ def cases(pkg) -> dict:
     smem = 2 * (E + 1) * 4
     launch = kernels.PreparedLaunch(fn, 256, smem, 8 * len(sig), tuple(range(0, 8 * len(sig), 8)),
                                     kernels.slot_struct(sig))
-    launch.make_dependent(1)  # (as ops._prepare)
     ops._prepared[("quantize.cu", "swizzle_block_scales", 0, smem)] = (launch, 1024, sig)
     sw = (StandIn((ops._swizzle_tiles(N, E) * f.scale_k_tiles(H) * pkg.formats.SCALE_TILE_BYTES,), np.uint8),
           StandIn((E,), np.uint32))
@@ -187,7 +184,6 @@ def cases(pkg) -> dict:
         smem = ops._silu_ring_bytes() + (2 * (groups + 1) * 4 if f.swizzled_scales else 0)
         launch = kernels.PreparedLaunch(fn, 512, smem, 8 * len(sig), tuple(range(0, 8 * len(sig), 8)),
                                         kernels.slot_struct(sig))
-        launch.make_dependent(1)  # (as ops._prepare)
         ops._prepared[("silu.cu", f"fused_silu_{fmt}_bf16", 0, smem)] = (launch, 1024, sig)
         hs, ro = StandIn((cap, 2 * H), bf16), StandIn((groups + 1,), np.uint32)
         if fmt == "fp8":

@@ -233,7 +233,6 @@ def _prepare(filename: str, name: str, sig: str, dev: int, smem: int = 0, thread
         max_grid = _grid(filename, name, kern, 2**31 - 1, smem, threads)
         slots = tuple(range(0, 8 * len(sig), 8))
         launch = _kernels.PreparedLaunch(kern, threads, smem, 8 * len(sig), slots, _kernels.slot_struct(sig))
-        launch.make_dependent(1)  # (the kernels of ops wait for the kernel before them first: await_previous_grid)
         hit = _prepared[key] = (launch, max_grid, sig)
     launch, max_grid, want = hit
     if sig != want:
@@ -406,7 +405,7 @@ def _quantize_short(x, fmt: str, global_scale, out):
         return None
     fn.pack.pack_into(fn.raw, 0, xp, pp, sp, n, h, global_scale)  # (fn(grid, ...) without its call)
     _kernels._launch_raw(fn.func, min(-(-n * steps // _QUANTIZE_WARPS), max_grid), fn.block, fn.smem, fn.argv_ptr,
-                         None, dev, fn.dependent)
+                         None, dev)
     return payload, scales
 
 
@@ -529,7 +528,7 @@ def _dequantize_short(payload, scales, fmt: str, hidden: int, global_scale, out)
         op = out.data.ptr
     fn.pack.pack_into(fn.raw, 0, pp, sp, op, n, hidden, global_scale)  # (fn(grid, ...) without its call)
     _kernels._launch_raw(fn.func, min(-(-n * steps // (_THREADS // _WARP)), max_grid), fn.block, fn.smem,
-                         fn.argv_ptr, None, dev, fn.dependent)
+                         fn.argv_ptr, None, dev)
     return out
 
 
@@ -630,7 +629,7 @@ def _swizzle_short(scales, ro, fmt: str, hidden: int, out):
     else:
         return None
     fn.pack.pack_into(fn.raw, 0, sp, rows, n_scales, rp, n_groups, swizzled.data.ptr, offsets.data.ptr, max_tiles)
-    _kernels._launch_raw(fn.func, grid, fn.block, fn.smem, fn.argv_ptr, None, dev, fn.dependent)
+    _kernels._launch_raw(fn.func, grid, fn.block, fn.smem, fn.argv_ptr, None, dev)
     return swizzled, offsets
 
 
@@ -752,7 +751,7 @@ def _fused_silu_short(h, ro, fmt: str, interleaved: bool, global_scale, out):
     p0 = outs[0].data.ptr
     fn.pack.pack_into(fn.raw, 0, hp, rp, n_groups, cap, width // 2, p0, outs[1].data.ptr if len(outs) > 1 else p0,
                       outs[2].data.ptr if len(outs) > 2 else p0, max_tiles, global_scale)  # (fn(grid, ...))
-    _kernels._launch_raw(fn.func, grid, fn.block, fn.smem, fn.argv_ptr, None, dev, fn.dependent)
+    _kernels._launch_raw(fn.func, grid, fn.block, fn.smem, fn.argv_ptr, None, dev)
     return outs[0] if len(shapes) == 1 else tuple(outs)
 
 

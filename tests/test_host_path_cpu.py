@@ -493,7 +493,6 @@ def ops_launches(monkeypatch, torch):
             fn = types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=len(by_argv) + 1))
             launch = _kernels.PreparedLaunch(fn, threads, smem, 8 * len(sig), tuple(range(0, 8 * len(sig), 8)),
                                              _kernels.slot_struct(sig))
-            launch.make_dependent(1)
             by_argv[launch.argv_ptr] = made[key] = launch
         return made[key], 64
 
@@ -501,7 +500,7 @@ def ops_launches(monkeypatch, torch):
     log = []
 
     def launch_raw(func, grid, block, smem, argv_ptr, stream=None, device=-1, dependent=None):
-        assert dependent is by_argv[argv_ptr].dependent is not None  # (every op's launch: a programmatic dependent)
+        assert dependent is None  # (the ops' kernels are launched the plain way)
         log.append((func, grid, block, smem, bytes(by_argv[argv_ptr].raw), stream))
 
     monkeypatch.setattr(_kernels, "_launch_raw", launch_raw)

@@ -3,8 +3,6 @@
 //
 // Work: one warp per (row, span) item, grid-stride; a span is kSteps warp steps of 256 values, so every lane has
 // kSteps 16-byte loads in flight before its first use. Launch: blocks of kQuantizeThreads, grid from the SM count.
-// Every kernel here is launched as a programmatic dependent (cuep/ops.py _prepare) and starts with
-// await_previous_grid.
 #include "common.cuh"
 #include "formats.cuh"
 
@@ -148,9 +146,7 @@ constexpr int kQuantizeThreads = 1024;
 #define CUEP_QUANTIZE_ARGS(T)                                                                                    \
     const T *__restrict__ x, uint8_t *__restrict__ payload, uint8_t *__restrict__ scales, long long n_rows,    \
         int hidden, float global_scale
-#define CUEP_QUANTIZE_CALL(FMT, T)                                                                               \
-    cuep::await_previous_grid();                                                                                 \
-    cuep::quantize_rows<FMT, T>(x, payload, scales, n_rows, hidden, global_scale)
+#define CUEP_QUANTIZE_CALL(FMT, T) cuep::quantize_rows<FMT, T>(x, payload, scales, n_rows, hidden, global_scale)
 
 extern "C" __global__ void CUEP_QUANTIZE_BOUNDS quantize_bf16_f32(CUEP_QUANTIZE_ARGS(float)) {
     CUEP_QUANTIZE_CALL(kFmtBf16, float);
@@ -178,9 +174,7 @@ extern "C" __global__ void CUEP_QUANTIZE_BOUNDS quantize_mxfp4_f32(CUEP_QUANTIZE
 #define CUEP_DEQUANTIZE_ARGS                                                                                     \
     const uint8_t *__restrict__ payload, const uint8_t *__restrict__ scales, float *__restrict__ out,          \
         long long n_rows, int hidden, float global_scale
-#define CUEP_DEQUANTIZE_CALL(FMT)                                                                                \
-    cuep::await_previous_grid();                                                                                 \
-    cuep::dequantize_rows<FMT>(payload, scales, out, n_rows, hidden, global_scale)
+#define CUEP_DEQUANTIZE_CALL(FMT) cuep::dequantize_rows<FMT>(payload, scales, out, n_rows, hidden, global_scale)
 
 extern "C" __global__ void __launch_bounds__(kOpsThreads) dequantize_bf16(CUEP_DEQUANTIZE_ARGS) {
     CUEP_DEQUANTIZE_CALL(kFmtBf16);
@@ -200,6 +194,5 @@ extern "C" __global__ void __launch_bounds__(kOpsThreads)
     swizzle_block_scales(const uint8_t* __restrict__ scales, long long scale_rows, int n_scales,
                          const int* __restrict__ row_offsets, int n_groups, uint8_t* __restrict__ out,
                          uint32_t* __restrict__ scales_offsets, long long max_tiles) {
-    cuep::await_previous_grid();
     cuep::swizzle_scales(scales, scale_rows, n_scales, row_offsets, n_groups, out, scales_offsets, max_tiles);
 }

@@ -10,8 +10,7 @@
 // Outputs: bf16 [capacity, I]; fp8 payload [capacity, I] + float32 scales [I/128, capacity] (transposed);
 // nvfp4/mxfp4 payload [capacity, I/2] + 128x4 swizzled scales (max_tiles = ceil(capacity/128) + G row tiles) +
 // scales_offsets uint32 [G]; every block computes the group geometry in shared memory, block 0 writes
-// scales_offsets, and the padding rows of every used tile are zeroed in the same launch. Launched as a programmatic
-// dependent (cuep/ops.py _prepare): every kernel starts with await_previous_grid.
+// scales_offsets, and the padding rows of every used tile are zeroed in the same launch.
 #include "common.cuh"
 #include "formats.cuh"
 
@@ -385,7 +384,6 @@ using cuep::kSiluThreads;
         uint8_t *__restrict__ out, uint8_t *__restrict__ scales, uint32_t *__restrict__ scales_offsets,        \
         long long max_tiles, float global_scale
 #define CUEP_SILU_CALL(FMT, T, IL)                                                                              \
-    cuep::await_previous_grid();                                                                                \
     cuep::fused_silu_rows<FMT, T, IL>(h, row_offsets, n_groups, capacity, inter, out, scales, scales_offsets,   \
                                       max_tiles, global_scale)
 #define CUEP_SILU_KERNEL(NAME, FMT, T, IL)                                                                      \
