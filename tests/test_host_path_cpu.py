@@ -932,6 +932,18 @@ def forbid_torch_scan(monkeypatch) -> None:
     monkeypatch.setattr(interop, "_wants_torch", scan)
 
 
+def same_launches_without_scan(monkeypatch, log, body, public) -> None:
+    """``body()`` (the ops' own functions) and then, with torch_aware's scan forbidden from there on, ``public()``
+    (the public calls): the two quantize + fused_silu calls launch exactly the same."""
+    log.clear()
+    body()
+    direct = list(log)
+    forbid_torch_scan(monkeypatch)
+    log.clear()
+    public()
+    assert log == direct and len(direct) == 2
+
+
 def ops_plans(ops, silu_fmt: str) -> tuple:
     """Stand-ins of a quantize call (fp8, 8 tokens, out given) and a fused_silu call (``silu_fmt``, 2 groups, out
     given), each run once through the op's body so that its plan exists: (x, payload, scales, h, row_offsets,
@@ -1069,16 +1081,16 @@ def test_ops_plain_paths_call_the_op_without_the_torch_scan(ops_launches, torch,
     another type (which could hold one), goes to the torch_aware general function, which scans."""
     ops, log = ops_launches
     x, p, s_, h, ro, silu_outs = ops_plans(ops, "nvfp4")
-    log.clear()
-    ops._quantize(x, "fp8", 0.5, out=(p, s_))
-    ops._fused_silu(h, ro, "nvfp4", False, 2.0, out=silu_outs)
-    direct = list(log)
 
-    forbid_torch_scan(monkeypatch)
-    log.clear()
-    assert ops.quantize(x, "fp8", 0.5, out=(p, s_)) == (p, s_)
-    assert ops.fused_silu(h, ro, "nvfp4", False, global_scale=2.0, out=silu_outs) == silu_outs
-    assert log == direct and len(direct) == 2
+    def body():
+        ops._quantize(x, "fp8", 0.5, out=(p, s_))
+        ops._fused_silu(h, ro, "nvfp4", False, 2.0, out=silu_outs)
+
+    def public():
+        assert ops.quantize(x, "fp8", 0.5, out=(p, s_)) == (p, s_)
+        assert ops.fused_silu(h, ro, "nvfp4", False, global_scale=2.0, out=silu_outs) == silu_outs
+
+    same_launches_without_scan(monkeypatch, log, body, public)
     T = torch.Tensor
     tx, tp, th, tro = T(x, torch.bfloat16), T(p, torch.uint8), T(h, torch.bfloat16), T(ro, torch.int32)
     log.clear()
@@ -1108,16 +1120,16 @@ def test_public_torch_ops_take_the_torch_short_path_without_the_scan(ops_launche
         T(ro, torch.int32)
     t_outs = (T(silu_outs[0], torch.uint8), T(silu_outs[1], torch.float32))
     interop.torch_bindings()
-    log.clear()
-    assert ops._quantize_torch(tx, "fp8", 0.5, out=(tp, ts)) == (tp, ts)
-    assert ops._fused_silu_torch(th, tro, "fp8", False, 2.0, out=t_outs) == t_outs
-    direct = list(log)
 
-    forbid_torch_scan(monkeypatch)
-    log.clear()
-    assert ops.quantize(tx, "fp8", 0.5, out=(tp, ts)) == (tp, ts)
-    assert ops.fused_silu(th, tro, "fp8", False, global_scale=2.0, out=t_outs) == t_outs
-    assert log == direct and len(direct) == 2
+    def body():
+        assert ops._quantize_torch(tx, "fp8", 0.5, out=(tp, ts)) == (tp, ts)
+        assert ops._fused_silu_torch(th, tro, "fp8", False, 2.0, out=t_outs) == t_outs
+
+    def public():
+        assert ops.quantize(tx, "fp8", 0.5, out=(tp, ts)) == (tp, ts)
+        assert ops.fused_silu(th, tro, "fp8", False, global_scale=2.0, out=t_outs) == t_outs
+
+    same_launches_without_scan(monkeypatch, log, body, public)
 
 
 @pytest.mark.parametrize("combine_dtype", ["bfloat16", "float32"])
