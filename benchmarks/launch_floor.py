@@ -5,7 +5,7 @@
 
 Every piece runs ``--reps`` times behind one spin kernel (the GPU stays busy, so no launch waits) and the median
 of ``--batches`` batches of per-call means is printed: Python's own call, CuPy's current-stream lookup, a driver
-launch of an empty kernel with an 8-byte and a 536-byte parameter (cuep's dispatch struct) on the legacy default
+launch of an empty kernel with an 8-byte and a 544-byte parameter (cuep's dispatch struct) on the legacy default
 stream and on a non-blocking stream, CuPy's RawKernel call, and cuep's host steps on a one-rank buffer (argument
 checks, buffer check, result records, the prepared launch's packing, the one-rank launch through cuLaunchKernel
 and as a programmatic dependent through cuLaunchKernelEx, whole calls). Nothing is asserted.
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 SRC = r"""
-struct Big { long long v[67]; };
+struct Big { long long v[68]; };
 extern "C" __global__ void lf_empty(long long a) { if (a == -12345) asm volatile("trap;"); }
 extern "C" __global__ void lf_big(Big b) { if (b.v[0] == -12345) asm volatile("trap;"); }
 """
@@ -51,10 +51,10 @@ def main(argv=None) -> int:
     mod = cupy.RawModule(code=SRC)
     empty, big = mod.get_function("lf_empty"), mod.get_function("lf_big")
     raw8 = (ctypes.c_char * 8)()
-    raw536 = (ctypes.c_char * 536)()
+    raw_big = (ctypes.c_char * 544)()
     argv8 = (ctypes.c_void_p * 1)(ctypes.addressof(raw8))
-    argv536 = (ctypes.c_void_p * 1)(ctypes.addressof(raw536))
-    p8, p536 = ctypes.addressof(argv8), ctypes.addressof(argv536)
+    argv_big = (ctypes.c_void_p * 1)(ctypes.addressof(raw_big))
+    p8, p_big = ctypes.addressof(argv8), ctypes.addressof(argv_big)
     fe, fb = empty.kernel.ptr if hasattr(empty, "kernel") else empty.ptr, big.kernel.ptr if hasattr(big, "kernel") else big.ptr
     launch = driver.launchKernel
     s_null = cupy.cuda.Stream.null.ptr
@@ -90,8 +90,8 @@ def main(argv=None) -> int:
         "runtime.getDevice()": getdev,
         "launch empty 8 B, null stream": lambda: launch(fe, 1, 1, 1, 32, 1, 1, 0, s_null, p8, 0),
         "launch empty 8 B, non-blocking stream": lambda: launch(fe, 1, 1, 1, 32, 1, 1, 0, s_nb, p8, 0),
-        "launch empty 536 B, null stream": lambda: launch(fb, 1, 1, 1, 32, 1, 1, 0, s_null, p536, 0),
-        "launch empty 536 B, 132 x 512 threads": lambda: launch(fb, 132, 1, 1, 512, 1, 1, 0, s_null, p536, 0),
+        "launch empty 544 B, null stream": lambda: launch(fb, 1, 1, 1, 32, 1, 1, 0, s_null, p_big, 0),
+        "launch empty 544 B, 132 x 512 threads": lambda: launch(fb, 132, 1, 1, 512, 1, 1, 0, s_null, p_big, 0),
         "cupy RawKernel call empty (1 arg)": lambda: empty((1,), (32,), (np.int64(1),)),
         "ep._check_buffer": lambda: ep._check_buffer(buf, "x"),
         "buf.check()": buf.check,

@@ -14,18 +14,21 @@ import numpy as np
 
 MAX_RANKS = 8  # kMaxRanks: entries of peer_base
 
-#: EPParams' int64 fields, in the order of the C struct (peer_base[MAX_RANKS] follows them).
+#: EPParams' int64 fields a caller gives (:func:`ep_params`), in the order of the C struct, which starts with
+#: ``self_base`` (derived: ``peer_base[rank]``) and ends with ``peer_base[MAX_RANKS]``. What the decode kernels read
+#: first leads, so that it takes the fewest 64-byte lines of the constant bank (each new line a warp reaches costs
+#: it a miss: ``benchmarks/launch_gpu.py``).
 EP_PARAMS_FIELDS = (
-    "rank", "n_ranks", "n_src", "src_index", "n_local", "n_experts", "top_k", "hidden", "max_tokens",
-    "payload_bytes", "scale_bytes", "row_align", "n_scales", "k_tiles", "n_groups", "shared", "skip_a2a",
-    "ar_size", "ar_index", "capacity", "meta_bytes", "meta_ids", "meta_w", "meta_rows", "meta_scales",
-    "combine_itemsize", "small_tokens", "stage_record", "off_tokens", "off_comb_recv", "off_meta", "off_tally",
-    "off_comb_ready", "off_comb_arrived", "off_counters", "off_scratch", "off_stage", "off_comb_poll",
-    "off_scale_rows", "poll_tokens", "timeout_ns", "err_ptr",
+    "rank", "n_ranks", "n_local", "n_experts", "top_k", "hidden", "n_groups", "shared", "skip_a2a",
+    "ar_size", "ar_index", "small_tokens", "row_align", "payload_bytes", "scale_bytes", "n_scales", "k_tiles",
+    "off_tokens", "off_counters", "off_scratch", "off_scale_rows", "timeout_ns", "err_ptr", "n_src", "src_index",
+    "max_tokens", "capacity", "meta_bytes", "meta_ids", "meta_w", "meta_rows", "meta_scales", "combine_itemsize",
+    "stage_record", "off_comb_recv", "off_meta", "off_tally", "off_comb_ready", "off_comb_arrived", "off_stage",
+    "off_comb_poll", "poll_tokens",
 )
 
-EP_PARAMS_DTYPE = np.dtype([(f, np.int64) for f in EP_PARAMS_FIELDS] + [("peer_base", np.int64, (MAX_RANKS,))],
-                           align=True)
+EP_PARAMS_DTYPE = np.dtype([("self_base", np.int64)] + [(f, np.int64) for f in EP_PARAMS_FIELDS]
+                           + [("peer_base", np.int64, (MAX_RANKS,))], align=True)
 
 _PTR = np.uint64  # device pointers (0 = nullptr)
 
@@ -67,22 +70,25 @@ def ep_params(values: dict) -> np.ndarray:
 
     Args:
         values: every name of :data:`EP_PARAMS_FIELDS` (int) and ``peer_base`` (up to ``MAX_RANKS`` ints; the
-            rest are 0).
+            rest are 0). ``self_base`` is ``peer_base[rank]``.
 
     Raises:
-        ValueError: a field missing or unknown.
+        ValueError: a field missing or unknown, more than ``MAX_RANKS`` bases, or ``rank`` without one.
     """
     want = set(EP_PARAMS_FIELDS) | {"peer_base"}
     missing, unknown = want - set(values), set(values) - want
     if missing or unknown:
         raise ValueError(f"EPParams: missing fields {sorted(missing)}, unknown fields {sorted(unknown)}")
     rec = np.zeros(1, EP_PARAMS_DTYPE)
-    for f in EP_PARAMS_FIELDS:
-        rec[f] = values[f]
     bases = list(values["peer_base"])
     if len(bases) > MAX_RANKS:
         raise ValueError(f"peer_base has {len(bases)} entries; at most {MAX_RANKS} ranks")
+    if not 0 <= values["rank"] < len(bases):
+        raise ValueError(f"rank={values['rank']} has no entry in peer_base ({len(bases)} entries)")
+    for f in EP_PARAMS_FIELDS:
+        rec[f] = values[f]
     rec["peer_base"][0, :len(bases)] = bases
+    rec["self_base"] = bases[values["rank"]]
     return rec
 
 

@@ -74,12 +74,16 @@ def test_layout_check_catches_a_moved_field(tmp_path):
 def test_ep_params_record():
     values = {f: i * 3 + 1 for i, f in enumerate(params.EP_PARAMS_FIELDS)}
     values["peer_base"] = [0x7F0000000000 + 0x100000 * r for r in range(3)]
+    values["rank"] = 2
     rec = params.ep_params(values)
     assert rec.dtype == params.EP_PARAMS_DTYPE and rec.shape == (1,)
     raw = np.frombuffer(rec.tobytes(), np.int64)
     n = len(params.EP_PARAMS_FIELDS)
-    assert raw[:n].tolist() == [values[f] for f in params.EP_PARAMS_FIELDS]
-    assert raw[n:].tolist() == values["peer_base"] + [0] * (params.MAX_RANKS - 3)
+    assert raw[0] == values["peer_base"][2]  # self_base: this rank's own buffer, first
+    assert raw[1:n + 1].tolist() == [values[f] for f in params.EP_PARAMS_FIELDS]
+    assert raw[n + 1:].tolist() == values["peer_base"] + [0] * (params.MAX_RANKS - 3)
+    with pytest.raises(ValueError, match="rank=3 has no entry in peer_base"):
+        params.ep_params({**values, "rank": 3})
     with pytest.raises(ValueError, match="missing fields"):
         params.ep_params({k: v for k, v in values.items() if k != "rank"})
     with pytest.raises(ValueError, match="unknown fields"):
@@ -89,7 +93,7 @@ def test_ep_params_record():
 
 
 def test_kernel_argument_is_the_record_bytes():
-    ep = params.ep_params({**{f: 7 for f in params.EP_PARAMS_FIELDS}, "peer_base": [1, 2]})
+    ep = params.ep_params({**{f: 7 for f in params.EP_PARAMS_FIELDS}, "rank": 1, "peer_base": [1, 2]})
     names = params.DISPATCH_ARGS_DTYPE.names
     scalars = ("num_tokens", "global_scale", "phases")
     call = {n: i + 1 for i, n in enumerate(n for n in names if n not in scalars)}  # the pointers, x = 1
@@ -114,7 +118,8 @@ def test_pointer():
 @pytest.mark.parametrize("dtype", [params.DISPATCH_PARAMS_DTYPE, params.COMBINE_PARAMS_DTYPE])
 def test_call_struct_packs_the_record_bytes(dtype):
     """A prepared launch packs the call part with params.call_struct: the same bytes as launch_record's."""
-    ep = params.ep_params({**{f: 5 + i for i, f in enumerate(params.EP_PARAMS_FIELDS)}, "peer_base": [9, 10]})
+    ep = params.ep_params({**{f: 5 + i for i, f in enumerate(params.EP_PARAMS_FIELDS)}, "rank": 0,
+                          "peer_base": [9, 10]})
     pack, offset, names = params.call_struct(dtype)
     assert offset == dtype.fields["call"][1] and pack.size == dtype["call"].itemsize
     values = {}
@@ -137,7 +142,8 @@ def test_call_span_repacks_only_the_call_fields(kind, dtype):
     """A prepared launch packs the whole call part once, then per call only the call's span at its start
     (params.CALL_FIELDS, params.span_struct): the bytes equal launch_record's, and the fixed fields after it are
     left as written."""
-    ep = params.ep_params({**{f: 5 + i for i, f in enumerate(params.EP_PARAMS_FIELDS)}, "peer_base": [9, 10]})
+    ep = params.ep_params({**{f: 5 + i for i, f in enumerate(params.EP_PARAMS_FIELDS)}, "rank": 0,
+                          "peer_base": [9, 10]})
     pack, offset, names = params.call_struct(dtype)
     call = params.CALL_FIELDS[kind]
     assert names[:len(call)] == call

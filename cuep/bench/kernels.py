@@ -82,12 +82,12 @@ def floor_copy(src, dst, read_bytes: int, write_bytes: int, salt: int = 0x9E3779
         np.uint32(salt)))
 
 
-LAUNCH_FLOOR_BYTES = 536  # sizeof(LaunchFloorArgs) in cuda_src/bench.cu: cuep.params.DISPATCH_PARAMS_DTYPE's size
+LAUNCH_FLOOR_BYTES = 544  # sizeof(LaunchFloorArgs) in cuda_src/bench.cu: cuep.params.DISPATCH_PARAMS_DTYPE's size
 
 
 def launch_floor():
     """A prepared launch (:class:`cuep._kernels.PreparedLaunch`) of ``cuep_bench_launch_floor`` on the current
-    device: an empty kernel launched as cuep's dispatch is (one 512-thread block per SM, a 536-byte struct by
+    device: an empty kernel launched as cuep's dispatch is (one 512-thread block per SM, a 544-byte struct by
     value). Call ``launch(grid)``: the host cost of a launch alone, the part of an eager call Python cannot cut."""
     import struct
 

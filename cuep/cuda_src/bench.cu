@@ -234,7 +234,7 @@ cuep_bench_floor_copy(const uint4* __restrict__ src, uint4* __restrict__ dst, in
 // the size of DispatchParams): the host cost of the launch alone, beside an eager call's (python -m cuep.bench
 // --floor). The guard keeps the parameter live; the host never passes the value it tests for.
 struct LaunchFloorArgs {
-    long long words[67];
+    long long words[68];
 };
 extern "C" __global__ void __launch_bounds__(512) cuep_bench_launch_floor(const __grid_constant__ LaunchFloorArgs args) {
     if (args.words[0] == -1 && threadIdx.x == 0) asm volatile("trap;");

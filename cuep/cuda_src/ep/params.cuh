@@ -15,27 +15,36 @@ constexpr int kMaxRanks = 8;
 // dispatch notify of a large round: tokens in at most this many contiguous ranges, one per block (config.py: scratch)
 constexpr int kNotifyRanges = 256;
 
-// One rank's symmetric buffer and group, all int64 (cuep/params.py: EP_PARAMS_FIELDS, same order).
+// One rank's symmetric buffer and group, all int64 (cuep/params.py: self_base, EP_PARAMS_FIELDS, peer_base, in this
+// order). What the decode kernels read first leads, so that it spans the fewest 64-byte lines of the constant bank.
 struct EPParams {
+    long long self_base;         // peer_base[rank]: this rank's own buffer, without the indexed read
     long long rank;
     long long n_ranks;
-    long long n_src;             // source ranks a rank receives from: n_ranks, or 1 with skip_a2a
-    long long src_index;         // my index in a receiver's per-source regions: rank, or 0 with skip_a2a
     long long n_local;           // local experts per rank
     long long n_experts;
     long long top_k;
     long long hidden;
-    long long max_tokens;
-    long long payload_bytes;
-    long long scale_bytes;       // scale bytes of one message
-    long long row_align;
-    long long n_scales;
-    long long k_tiles;
     long long n_groups;
     long long shared;            // fused shared expert: group 0 holds this rank's own tokens (its share of them)
     long long skip_a2a;
     long long ar_size;           // allreduce_world_size A: the shared expert's tokens split over A ranks (1: none)
     long long ar_index;          // this rank's position in its all-reduce group (rank % A)
+    long long small_tokens;      // small_batch_tokens: a round of at most this many tokens is staged (0: off)
+    long long row_align;
+    long long payload_bytes;
+    long long scale_bytes;       // scale bytes of one message
+    long long n_scales;
+    long long k_tiles;
+    long long off_tokens;
+    long long off_counters;
+    long long off_scratch;       // private: per-choice slots [T, K], message slots [T, 8], rank masks [T], ranges
+    long long off_scale_rows;    // private: where each row's scales are in a large dispatch round
+    long long timeout_ns;
+    long long err_ptr;           // ErrorRecord* in host-mapped memory
+    long long n_src;             // source ranks a rank receives from: n_ranks, or 1 with skip_a2a
+    long long src_index;         // my index in a receiver's per-source regions: rank, or 0 with skip_a2a
+    long long max_tokens;
     long long capacity;
     long long meta_bytes;
     long long meta_ids;
@@ -43,27 +52,20 @@ struct EPParams {
     long long meta_rows;
     long long meta_scales;
     long long combine_itemsize;
-    long long small_tokens;      // small_batch_tokens: a round of at most this many tokens is staged (0: off)
     long long stage_record;      // bytes of one staging record: meta | chunk flags | payload
-    long long off_tokens;
     long long off_comb_recv;
     long long off_meta;
     long long off_tally;
     long long off_comb_ready;
     long long off_comb_arrived;
-    long long off_counters;
-    long long off_scratch;       // private: per-choice slots [T, K], message slots [T, 8], rank masks [T], ranges
     long long off_stage;         // small rounds' messages [2 parities, n_src, small_tokens] x (meta | payload)
     long long off_comb_poll;     // bf16 partial sums of tokens < poll_tokens [2 parities, poll_tokens, dests, H]
-    long long off_scale_rows;    // private: where each row's scales are in a large dispatch round
     long long poll_tokens;       // EPConfig.combine_poll_tokens (0: no comb_poll)
-    long long timeout_ns;
-    long long err_ptr;           // ErrorRecord* in host-mapped memory
     long long peer_base[kMaxRanks];  // base address of each rank's symmetric buffer, as this GPU maps it
 
     // This rank's own buffer (peers' buffers only through the transport: ep/transport.cuh).
     __device__ __forceinline__ char* local(long long off) const {
-        return reinterpret_cast<char*>(peer_base[rank]) + off;
+        return reinterpret_cast<char*>(self_base) + off;
     }
     __device__ __forceinline__ int* counters() const { return reinterpret_cast<int*>(local(off_counters)); }
     __device__ __forceinline__ ErrorRecord* err() const { return reinterpret_cast<ErrorRecord*>(err_ptr); }
