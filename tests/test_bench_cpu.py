@@ -767,3 +767,44 @@ def test_eager_chain_checks_its_arguments_before_any_gpu_work(capsys):
             mod.main(bad)
         assert e.value.code == 2
         assert "--calls and --repeats must be >= 1, --tokens in [1, 4096]" in capsys.readouterr().err
+
+
+def _launch_gpu_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("launch_gpu", Path(__file__).parents[1] / "benchmarks" /
+                                                  "launch_gpu.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_launch_gpu_checks_its_arguments_before_any_gpu_work(capsys):
+    """benchmarks/launch_gpu.py refuses a repeat count below 1 (naming it) before it imports CuPy's GPU side."""
+    mod = _launch_gpu_module()
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--reps", "0"])
+    assert e.value.code == 2
+    assert "--reps 0: must be >= 1" in capsys.readouterr().err
+
+
+def test_launch_gpu_probes_compile_for_sm90(tmp_path):
+    """The probe kernels of benchmarks/launch_gpu.py compile for sm_90, their parameter block the size of cuep's
+    DispatchParams, one kernel per number of parameter lines read."""
+    import shutil
+    import subprocess
+
+    from cuep import params
+
+    nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None)
+    if nvcc is None:
+        pytest.skip("nvcc not found")
+    mod = _launch_gpu_module()
+    assert 8 * mod.param_words() == params.DISPATCH_PARAMS_DTYPE.itemsize
+    src = tmp_path / "probe.cu"
+    src.write_text(mod.SRC + f"static_assert(sizeof(Params) == {params.DISPATCH_PARAMS_DTYPE.itemsize}, \"size\");\n")
+    res = subprocess.run([nvcc, "-cubin", "-arch=sm_90", "--std=c++17", f"-DPARAM_WORDS={mod.param_words()}", "-o",
+                          str(tmp_path / "p.cubin"), str(src)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert all(f"lg_lines_{k}" in mod.SRC for k in mod.PARAM_LINES)
+    assert 8 * (max(mod.PARAM_LINES) - 1) < mod.param_words()  # (line i is read at word 8 i)
