@@ -713,17 +713,22 @@ def test_launch_floor_kernel_takes_a_struct_the_size_of_the_dispatchs():
     assert kernels.LAUNCH_FLOOR_BYTES == 8 * words == params.DISPATCH_PARAMS_DTYPE.itemsize
 
 
+def benchmark_module(name: str):
+    """benchmarks/<name>.py imported as a module (the scripts are not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def test_host_python_runs_without_a_gpu(capsys):
     """benchmarks/host_python.py (the Python part of a call's host cost, launches stubbed) runs on a CPU machine
     and prints every case; its stand-ins are taken out again (the real cuep.ep still sees CuPy's ndarray)."""
-    import importlib.util
-
     from cuep import _kernels, ep
 
-    spec = importlib.util.spec_from_file_location("host_python", Path(__file__).parents[1] / "benchmarks" /
-                                                  "host_python.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = benchmark_module("host_python")
     saved = (ep._cupy, ep._ND, ep._runtime, ep._kernel, _kernels._launch_raw)
     from cuep import ops
     caches = (ops._prepared, ops._quantize_plans, ops._silu_plans, ops._dequantize_plans,
@@ -756,12 +761,7 @@ def test_python_call_ns_times_an_empty_call():
 def test_eager_chain_checks_its_arguments_before_any_gpu_work(capsys):
     """benchmarks/eager_chain.py refuses bad counts and token numbers (naming them) before it imports CuPy's GPU
     side or builds a Buffer."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("eager_chain", Path(__file__).parents[1] / "benchmarks" /
-                                                  "eager_chain.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = benchmark_module("eager_chain")
     for bad in (["--calls", "0"], ["--repeats", "0"], ["--tokens", "0"], ["--tokens", "4097"]):
         with pytest.raises(SystemExit) as e:
             mod.main(bad)
@@ -769,19 +769,9 @@ def test_eager_chain_checks_its_arguments_before_any_gpu_work(capsys):
         assert "--calls and --repeats must be >= 1, --tokens in [1, 4096]" in capsys.readouterr().err
 
 
-def _launch_gpu_module():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("launch_gpu", Path(__file__).parents[1] / "benchmarks" /
-                                                  "launch_gpu.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_launch_gpu_checks_its_arguments_before_any_gpu_work(capsys):
     """benchmarks/launch_gpu.py refuses a repeat count below 1 (naming it) before it imports CuPy's GPU side."""
-    mod = _launch_gpu_module()
+    mod = benchmark_module("launch_gpu")
     with pytest.raises(SystemExit) as e:
         mod.main(["--reps", "0"])
     assert e.value.code == 2
@@ -799,7 +789,7 @@ def test_launch_gpu_probes_compile_for_sm90(tmp_path):
     nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None)
     if nvcc is None:
         pytest.skip("nvcc not found")
-    mod = _launch_gpu_module()
+    mod = benchmark_module("launch_gpu")
     assert 8 * mod.param_words() == params.DISPATCH_PARAMS_DTYPE.itemsize
     src = tmp_path / "probe.cu"
     src.write_text(mod.SRC + f"static_assert(sizeof(Params) == {params.DISPATCH_PARAMS_DTYPE.itemsize}, \"size\");\n")

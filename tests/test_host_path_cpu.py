@@ -960,6 +960,16 @@ def ops_plans(ops, silu_fmt: str) -> tuple:
     return x, p, s_, h, ro, silu_outs
 
 
+def prepare_every_launch(buf, x, ids, w, eo) -> None:
+    """One general call of every dispatch and combine phase set on ``buf``, so each short path finds its launch."""
+    for phases in (ep._PHASES_ALL, ep.PHASE_NOTIFY | ep.PHASE_SEND):
+        d = ep._dispatch(buf, x, ids, w, 1.0, phases)[0]
+        if phases != ep._PHASES_ALL:
+            ep._dispatch_wait_general.__wrapped__(d)
+        for ph in (ep._PHASES_ALL, ep.PHASE_NOTIFY | ep.PHASE_SEND, ep.PHASE_RECV):
+            ep._combine(buf, eo, d, None, None, ph)
+
+
 def test_public_calls_take_the_plain_path_before_the_torch_scan(launches, torch, monkeypatch):
     """With torch imported, a call of CuPy arrays in the common case launches through its short path
     (ep._dispatch_single, _combine_single, _dispatch_wait_single, tried by the public call first) without the
@@ -968,12 +978,7 @@ def test_public_calls_take_the_plain_path_before_the_torch_scan(launches, torch,
     buf = make_buffer("bf16")
     x, ids, w = inputs(16)
     eo = FakeArray((buf.cfg.capacity, H), BF16)
-    for phases in (ep._PHASES_ALL, ep.PHASE_NOTIFY | ep.PHASE_SEND):  # prepare every launch
-        d = ep._dispatch(buf, x, ids, w, 1.0, phases)[0]
-        if phases != ep._PHASES_ALL:
-            ep._dispatch_wait_general.__wrapped__(d)
-        for ph in (ep._PHASES_ALL, ep.PHASE_NOTIFY | ep.PHASE_SEND, ep.PHASE_RECV):
-            ep._combine(buf, eo, d, None, None, ph)
+    prepare_every_launch(buf, x, ids, w, eo)
 
     forbid_torch_scan(monkeypatch)
     for async_ in (False, True):
@@ -1038,12 +1043,7 @@ def test_public_torch_calls_take_the_torch_short_path_without_the_scan(launches,
     x, ids, w = inputs(16)
     eo = FakeArray((buf.cfg.capacity, H), BF16)
     tx, tids, tw, teo = as_tensors(torch, x, ids, w, eo)
-    for phases in (ep._PHASES_ALL, ep.PHASE_NOTIFY | ep.PHASE_SEND):  # prepare every launch
-        d = ep._dispatch(buf, x, ids, w, 1.0, phases)[0]
-        if phases != ep._PHASES_ALL:
-            ep._dispatch_wait_general.__wrapped__(d)
-        for ph in (ep._PHASES_ALL, ep.PHASE_NOTIFY | ep.PHASE_SEND, ep.PHASE_RECV):
-            ep._combine(buf, eo, d, None, None, ph)
+    prepare_every_launch(buf, x, ids, w, eo)
     general = []
     for name in ("_dispatch_general", "_dispatch_async_general", "_dispatch_wait_general", "_combine_general",
                  "_combine_async_general", "_combine_wait_general"):
