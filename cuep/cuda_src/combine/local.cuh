@@ -40,13 +40,9 @@ struct RowVector {
 // the round's chunk plan is a token a warp): H200, N = 4096, 155.8 -> 141.9 us (bf16; 4 kept the HBM waiting).
 template <typename TC, int kRows>
 __device__ void combine_local(const EPParams& ep, const CombineArgs& a) {
-    // Thread 0 tests the failed flag at once (checked after the barrier below, before any store). (Compared late, as
-    // the one-rank dispatch does (read_failed), combine took 2-3% longer at N = 1 and 32 on an H100.)
-    const bool failed = threadIdx.x == 0 && has_failed(ep);
     const int K = static_cast<int>(ep.top_k), H = static_cast<int>(ep.hidden), N = a.num_tokens;
     const int n_vec = H / 8, lane = threadIdx.x % kWarp;
     const bool shared = ep.shared != 0;
-    const int sh_lo = shared ? shared_lo(ep, N) : 0, sh_hi = shared ? shared_hi(ep, N) : 0;
     const TC* eo = static_cast<const TC*>(a.expert_out);
     TC* out = static_cast<TC*>(a.out);
     const int* pos = local_choice_pos(ep);
@@ -71,11 +67,17 @@ __device__ void combine_local(const EPParams& ep, const CombineArgs& a) {
     };
     int p_next, e_next;
     choice(item, p_next, e_next);
+    // Thread 0 loads the failed flag once its warp's first loads are issued and compares it after the barrier below,
+    // before any store (read_failed). (has_failed at entry, compared at once, held warp 0's loads back a load's
+    // latency: this order took 0.975-0.997x the time cold on an H200 at N = 1, 32, 128, the same warm.)
+    const int failed = read_failed(ep);
+    // (the shared expert's tokens: after the first loads, which its 64-bit divisions held back)
+    const int sh_lo = shared ? shared_lo(ep, N) : 0, sh_hi = shared ? shared_hi(ep, N) : 0;
     // the groups' first rows, in shared memory (cuep/ep.py gives G + 1 words)
     extern __shared__ unsigned s_offsets[];
     for (int g = threadIdx.x; g <= ep.n_groups; g += blockDim.x) s_offsets[g] = a.row_offsets[g];
     __shared__ int s_failed;
-    note_failed(failed, &s_failed);
+    note_failed(failed == kStatusTimeout, &s_failed);
     __syncthreads();
     if (s_failed) return;
     for (; item < n_items; item += static_cast<int>(grid_warps)) {
