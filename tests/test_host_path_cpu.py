@@ -982,27 +982,23 @@ def test_public_calls_take_the_plain_path_before_the_torch_scan(launches, torch,
 
     forbid_torch_scan(monkeypatch)
     for async_ in (False, True):
-        before = dict(buf._rounds)
-        launches.clear()
-        if async_:
-            d = ep.dispatch_wait(ep.dispatch_async(buf, x, ids, w))
-        else:
-            d = ep.dispatch(buf, x, ids, w)
-        out = ep.combine(buf, eo, d)
-        assert ep.combine_async(buf, eo, d) is None
-        assert ep.combine_wait(buf, eo, d) is out
-        public, after = list(launches), dict(buf._rounds)
-        buf._rounds.clear()
-        buf._rounds.update(before)
-        launches.clear()
-        if async_:
-            d2 = ep._dispatch_single(buf, x, ids, w, 1.0, ep.PHASE_NOTIFY | ep.PHASE_SEND)
-            assert ep._dispatch_wait_single(d2, False) is d2
-        else:
-            d2 = ep._dispatch_single(buf, x, ids, w, 1.0, ep._PHASES_ALL)
-        for ph in (ep._PHASES_ALL, ep.PHASE_NOTIFY | ep.PHASE_SEND, ep.PHASE_RECV):
-            ep._combine_single(buf, eo, d2, None, None, ph)
-        assert public == launches and after == dict(buf._rounds) and len(public) == (5 if async_ else 3)
+        def public():
+            d = ep.dispatch_wait(ep.dispatch_async(buf, x, ids, w)) if async_ else ep.dispatch(buf, x, ids, w)
+            out = ep.combine(buf, eo, d)
+            assert ep.combine_async(buf, eo, d) is None
+            assert ep.combine_wait(buf, eo, d) is out
+
+        def short():
+            if async_:
+                d2 = ep._dispatch_single(buf, x, ids, w, 1.0, ep.PHASE_NOTIFY | ep.PHASE_SEND)
+                assert ep._dispatch_wait_single(d2, False) is d2
+            else:
+                d2 = ep._dispatch_single(buf, x, ids, w, 1.0, ep._PHASES_ALL)
+            for ph in (ep._PHASES_ALL, ep.PHASE_NOTIFY | ep.PHASE_SEND, ep.PHASE_RECV):
+                ep._combine_single(buf, eo, d2, None, None, ph)
+
+        _, (pub, sho), (after_pub, after_sho) = both_paths(buf, public, short, launches)
+        assert pub == sho and after_pub == after_sho and len(pub) == (5 if async_ else 3)
 
     tx, tids, tw, teo = as_tensors(torch, x, ids, w, eo)
     general = []  # the calls handed on: (name, arguments)
@@ -1054,24 +1050,23 @@ def test_public_torch_calls_take_the_torch_short_path_without_the_scan(launches,
 
     forbid_torch_scan(monkeypatch)
     for async_ in (False, True):
-        before = dict(buf._rounds)
-        launches.clear()
-        d = ep.dispatch_wait(ep.dispatch_async(buf, tx, tids, tw)) if async_ else ep.dispatch(buf, tx, tids, tw)
-        assert d._torch and general == []
-        out = ep.combine(buf, teo, d)
-        assert ep.combine_async(buf, teo, d) is None and ep.combine_wait(buf, teo, d) is out
-        public, after = list(launches), dict(buf._rounds)
-        buf._rounds.clear()
-        buf._rounds.update(before)
-        launches.clear()
-        if async_:
-            d2 = ep._dispatch_single_torch(buf, tx, tids, tw, 1.0, ep.PHASE_NOTIFY | ep.PHASE_SEND)
-            assert ep._dispatch_wait_torch(d2) is d2
-        else:
-            d2 = ep._dispatch_single_torch(buf, tx, tids, tw, 1.0, ep._PHASES_ALL)
-        for ph in (ep._PHASES_ALL, ep.PHASE_NOTIFY | ep.PHASE_SEND, ep.PHASE_RECV):
-            ep._combine_single_torch(buf, teo, d2, None, None, ph)
-        assert public == launches and after == dict(buf._rounds) and len(public) == (5 if async_ else 3)
+        def public():
+            d = ep.dispatch_wait(ep.dispatch_async(buf, tx, tids, tw)) if async_ else ep.dispatch(buf, tx, tids, tw)
+            assert d._torch and general == []
+            out = ep.combine(buf, teo, d)
+            assert ep.combine_async(buf, teo, d) is None and ep.combine_wait(buf, teo, d) is out
+
+        def short():
+            if async_:
+                d2 = ep._dispatch_single_torch(buf, tx, tids, tw, 1.0, ep.PHASE_NOTIFY | ep.PHASE_SEND)
+                assert ep._dispatch_wait_torch(d2) is d2
+            else:
+                d2 = ep._dispatch_single_torch(buf, tx, tids, tw, 1.0, ep._PHASES_ALL)
+            for ph in (ep._PHASES_ALL, ep.PHASE_NOTIFY | ep.PHASE_SEND, ep.PHASE_RECV):
+                ep._combine_single_torch(buf, teo, d2, None, None, ph)
+
+        _, (pub, sho), (after_pub, after_sho) = both_paths(buf, public, short, launches)
+        assert pub == sho and after_pub == after_sho and len(pub) == (5 if async_ else 3)
     assert general == []
 
 
