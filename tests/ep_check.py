@@ -33,6 +33,31 @@ def random_tokens(rng, n: int, h: int, dtype=BF16) -> np.ndarray:
     return x.astype(dtype)
 
 
+def edge_tokens(rng, n: int, h: int, dtype=BF16) -> np.ndarray:
+    """random_tokens with what the quantizers must flush or keep: about 10% subnormals of ``dtype`` and 2% signed
+    zeros scattered; in each row a 32-value block of subnormals only, one of subnormals and one normal value (a
+    random magnitude from the smallest normal up), and one of values near 2**-110 (mxfp4 from bf16 then leaves its
+    bf16 lines for the float32 ones). Subnormal inputs count as zeros of their sign (docs/formats.md)."""
+    x = random_tokens(rng, n, h, np.float32)
+    if np.dtype(dtype) == BF16:  # bf16 subnormals: exponent 0, mantissa 1 .. 127, either sign
+        sub = lambda shape: ((rng.integers(1, 1 << 7, size=shape, dtype=np.uint32)  # noqa: E731
+                              | rng.integers(0, 2, size=shape, dtype=np.uint32) << 15) << 16).view(np.float32)
+    else:
+        sub = lambda shape: (rng.integers(1, 1 << 23, size=shape, dtype=np.uint32)  # noqa: E731
+                             | rng.integers(0, 2, size=shape, dtype=np.uint32) << 31).view(np.float32)
+    u = rng.random((n, h))
+    x = np.where(u < 0.10, sub((n, h)), x)
+    x = np.where((u >= 0.10) & (u < 0.12), np.where(u < 0.11, np.float32(0.0), np.float32(-0.0)), x)
+    if h >= 96:
+        blocks = rng.permutation(h // 32)[:3] * 32  # three distinct 32-value blocks of each row (the same columns)
+        x[:, blocks[0]:blocks[0] + 32] = sub((n, 32))
+        x[:, blocks[1]:blocks[1] + 32] = sub((n, 32))
+        big = np.exp2(rng.integers(-126, 8, size=n)).astype(np.float32) * rng.uniform(1, 1.99, n).astype(np.float32)
+        x[np.arange(n), blocks[1] + rng.integers(0, 32, size=n)] = big * np.where(rng.random(n) < 0.5, 1, -1)
+        x[:, blocks[2]:blocks[2] + 32] = (rng.standard_normal((n, 32)) * 2.0**-110).astype(np.float32)
+    return x.astype(dtype)
+
+
 def random_values(rng, n: int, h: int, dtype=BF16) -> np.ndarray:
     """Fresh random [n, h] values, drawn fast for the large arrays of a round (expert outputs, residuals): random
     sign and mantissa bits, magnitudes in [1/8, 2) over four octaves; never zero, subnormal or non-finite. bf16: 16
@@ -44,14 +69,17 @@ def random_values(rng, n: int, h: int, dtype=BF16) -> np.ndarray:
     return ((bits & np.uint32(0x81FF_FFFF)) | np.uint32(0x3E00_0000)).view(np.float32).astype(dtype, copy=False)
 
 
-def make_inputs(rng, cfg, n_tokens: list[int], skew=False, dtype=BF16):
+def make_inputs(rng, cfg, n_tokens: list[int], skew=False, dtype=BF16, edge=False):
+    """Each rank's tokens x, top-k ids and weights (``edge``: tokens with subnormals, zeros and tiny blocks,
+    :func:`edge_tokens`)."""
+    tokens = edge_tokens if edge else random_tokens
     if cfg.skip_a2a:  # every rank holds the same tokens
         n = n_tokens[0]
-        x = random_tokens(rng, n, cfg.hidden, dtype)
+        x = tokens(rng, n, cfg.hidden, dtype)
         ids = random_routing(rng, n, cfg, skew)
         w = rng.random((n, cfg.top_k)).astype(np.float32)
         return [x] * cfg.n_ranks, [ids] * cfg.n_ranks, [w] * cfg.n_ranks
-    xs = [random_tokens(rng, n, cfg.hidden, dtype) for n in n_tokens]
+    xs = [tokens(rng, n, cfg.hidden, dtype) for n in n_tokens]
     ids = [random_routing(rng, n, cfg, skew) for n in n_tokens]
     ws = [rng.random((n, cfg.top_k)).astype(np.float32) for n in n_tokens]
     return xs, ids, ws
@@ -173,18 +201,19 @@ def _call(fn, bare: bool, *args, **kw) -> list:
 
 
 def run_round(buf, cfg, rng, n_tokens, *, skew=False, weights_at="dispatch", check_unreduced=True, dtype=BF16,
-              global_scale=1.0, async_halves=False, residual=False, bare=False, poison_scales=True):
+              global_scale=1.0, async_halves=False, residual=False, bare=False, poison_scales=True, edge=False):
     """One dispatch + combine round on the GPU and in the reference; asserts everything matches.
 
     Inputs and expert outputs of every rank are drawn from ``rng`` (so processes with equally seeded generators
     agree on them); the kernels run and are checked for the ranks ``buf`` drives in this process. ``bare``
     (a process driving one rank) passes bare arrays instead of one-entry lists. ``poison_scales=False`` keeps the
-    scales of the rounds before (:func:`poison_outputs`).
+    scales of the rounds before (:func:`poison_outputs`). ``edge``: tokens with subnormals and zeros
+    (:func:`edge_tokens`).
     """
     group = buf.group
     mine = list(group.ranks)  # the global ranks this process drives
     local = lambda arrays: [arrays[r] for r in mine]  # noqa: E731
-    xs, ids, ws = make_inputs(rng, cfg, n_tokens, skew, dtype)
+    xs, ids, ws = make_inputs(rng, cfg, n_tokens, skew, dtype, edge)
     want_all = ref.dispatch([np.asarray(x) for x in xs], ids, cfg, global_scale=global_scale)
     want = local(want_all)
     gx, gids, gws = to_devices(group, local(xs)), to_devices(group, local(ids)), to_devices(group, local(ws))

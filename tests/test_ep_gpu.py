@@ -52,6 +52,18 @@ def test_round_matches_reference(devices, fmt, shared, skip, rng):
 
 
 @pytest.mark.parametrize("devices", [p for p in groups() if p.id in ("sim2", "gpu2")])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_protocol_rounds_edge_inputs(devices, fmt, rng):
+    # The protocol's send encodes as the one-rank kernels do: subnormal inputs count as zeros of their sign (bf16
+    # keeps them), from bf16 and float32 tokens, a direct rank (48 tokens) beside a staged one (10)
+    cfg, buf = make(devices, dispatch_format=fmt, small_batch_tokens=24)
+    for dtype in (BF16, np.dtype(np.float32)):
+        run_round(buf, cfg, rng, [48, 10], dtype=dtype, edge=True)
+        run_round(buf, cfg, rng, [10, 48], dtype=dtype, edge=True, async_halves=True)
+    buf.close()
+
+
+@pytest.mark.parametrize("devices", [p for p in groups() if p.id in ("sim2", "gpu2")])
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_fp4_padding_zeroed_across_protocol_rounds(devices, fmt, rng):
     # The protocol's receive (phase_recv) with scales not poisoned between rounds: it zeroes only the scale-tile rows

@@ -9,7 +9,7 @@ import pytest
 
 import cuep
 from cuep import reference as ref
-from ep_check import check_dispatch, make_inputs, random_tokens, random_values, run_round, slow_copy, to_devices
+from ep_check import BF16, check_dispatch, make_inputs, random_tokens, random_values, run_round, slow_copy, to_devices
 
 FORMATS = ["bf16", "fp8", "nvfp4", "mxfp4"]
 
@@ -82,6 +82,22 @@ def test_larger_local_rounds(fmt, rng):
     run_round(buf, cfg, rng, [100], weights_at="combine", residual=True)
     run_round(buf, cfg, rng, [100], weights_at=None)
     assert local_launches(buf) == 1 and combine_kernels(buf) == {NARROW, WIDE}  # WIDE: N = 0
+    buf.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [BF16, np.dtype(np.float32)], ids=["from_bf16", "from_f32"])
+def test_local_rounds_edge_inputs(fmt, dtype, rng):
+    # Subnormal inputs count as zeros of their sign (the encoders' ftz arithmetic flushes them: no flush pass), the
+    # bf16 format keeps them: tokens with subnormals, signed zeros and tiny blocks (ep_check.edge_tokens) through
+    # small rounds (split up to 32 tokens, plain above) and larger ones; nvfp4 at other global scales too
+    cfg, buf = make(dispatch_format=fmt, max_tokens_per_rank=300, fused_shared_expert=True)
+    for n in (1, 20, 48, 300):
+        run_round(buf, cfg, rng, [n], dtype=dtype, edge=True)
+    for g in ((0.125, 3.0e4) if fmt == "nvfp4" else ()):
+        run_round(buf, cfg, rng, [20], dtype=dtype, edge=True, global_scale=g)
+        run_round(buf, cfg, rng, [300], dtype=dtype, edge=True, global_scale=g)
     buf.close()
 
 

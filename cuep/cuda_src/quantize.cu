@@ -14,7 +14,7 @@ template <int kFmt, class T>
 __device__ __forceinline__ void quantize_rows(const T* __restrict__ x, uint8_t* __restrict__ payload,
                                               uint8_t* __restrict__ scales, int64_t n_rows, int hidden,
                                               float global_scale) {
-    using Src = RowSource<T, false>;  // see RowSource: the quantizers' arithmetic flushes, bf16 must not
+    using Src = RowSource<T>;  // see RowSource: the quantizers' arithmetic flushes, bf16 must not
     using Scale = typename FormatTraits<kFmt>::Scale;
 #ifndef CUEP_QUANT_STEPS
 #define CUEP_QUANT_STEPS 2

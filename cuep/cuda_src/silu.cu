@@ -86,8 +86,8 @@ struct SwigluSource {
     }
     __device__ __forceinline__ void values(const Raw& r, float (&y)[kLaneValues]) const {
         float a[kLaneValues], b[kLaneValues];
-        values8<false>(r.a, a);  // flushed by the arithmetic (swiglu)
-        values8<false>(r.b, b);
+        values8(r.a, a);  // flushed by the arithmetic (swiglu)
+        values8(r.b, b);
 #pragma unroll
         for (int i = 0; i < kLaneValues; ++i) {
             if constexpr (kInterleaved) {

@@ -29,9 +29,9 @@ struct RowVector {
 #pragma unroll
             for (int i = 0; i < 8; ++i) v[i] = f[i];
         } else if constexpr (sizeof(TC) == 2) {
-            bf16x8_values<false>(w[0], v);
+            bf16x8_values(w[0], v);
         } else {
-            f32x8_values<false>(w[0], w[1], v);
+            f32x8_values(w[0], w[1], v);
         }
     }
 };

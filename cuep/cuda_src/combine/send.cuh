@@ -132,12 +132,12 @@ __device__ bool send_partials_ring(const EPParams& ep, const CombineArgs& a, int
             if (rk[u] < 0) continue;
             float v[8];
             if (ca < at.c_end) {
-                bf16x8_values<false>(slot[(2 * u) * kWarp + lane], v);
+                bf16x8_values(slot[(2 * u) * kWarp + lane], v);
 #pragma unroll
                 for (int i = 0; i < 8; ++i) acc_a[i] += wk[u] * v[i];
             }
             if (cb < at.c_end) {
-                bf16x8_values<false>(slot[(2 * u + 1) * kWarp + lane], v);
+                bf16x8_values(slot[(2 * u + 1) * kWarp + lane], v);
 #pragma unroll
                 for (int i = 0; i < 8; ++i) acc_b[i] += wk[u] * v[i];
             }
@@ -299,10 +299,10 @@ __device__ bool send_items(const EPParams& ep, const CombineArgs& a, int round, 
                     for (int u = 0; u < kRegRows; ++u) {
                         if (rk[u] < 0) continue;
                         float v[8];
-                        values8<false>(va[u], v);
+                        values8(va[u], v);
 #pragma unroll
                         for (int i = 0; i < 8; ++i) acc_a[i] += wk[u] * v[i];
-                        values8<false>(vb[u], v);
+                        values8(vb[u], v);
 #pragma unroll
                         for (int i = 0; i < 8; ++i) acc_b[i] += wk[u] * v[i];
                     }

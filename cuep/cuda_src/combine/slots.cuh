@@ -68,10 +68,10 @@ template <typename TC>
 __device__ __forceinline__ void load8f(const TC* p, float (&v)[8]) {
     if constexpr (sizeof(TC) == 2) {
         const uint4 w = *reinterpret_cast<const uint4*>(p);
-        bf16x8_values<false>(w, v);
+        bf16x8_values(w, v);
     } else {
         const uint4 a = reinterpret_cast<const uint4*>(p)[0], b = reinterpret_cast<const uint4*>(p)[1];
-        f32x8_values<false>(a, b, v);
+        f32x8_values(a, b, v);
     }
 }
 template <typename TC>

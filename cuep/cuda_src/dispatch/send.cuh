@@ -43,7 +43,7 @@ template <int FMT, typename T, class GScale>
 __device__ __forceinline__ void encode_chunk(const T* x_row, int c_lo, int c_hi, int H, uint8_t* s_payload,
                                              uint8_t* s_scales, GScale global_scale, int lane) {
     using S = typename FormatTraits<FMT>::Scale;
-    const RowSource<T, FMT != kFmtBf16> src{x_row};
+    const RowSource<T> src{x_row};
     const RowScales<S> row_scales{reinterpret_cast<S*>(s_scales)};
     // about 64 bytes of x in flight per lane: 4 spans of bf16, 2 of float32
     constexpr int kSteps = sizeof(T) == 2 ? kEncodeSteps : kEncodeSteps / 2;

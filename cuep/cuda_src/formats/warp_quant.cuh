@@ -267,27 +267,18 @@ __device__ __forceinline__ void unpack_f32x4(const uint4& w, float* v) {
     v[3] = __uint_as_float(w.w);
 }
 
-// 8 values from raw loads: bf16 (one uint4) or float32 (two uint4), optionally FTZ-flushed.
-template <bool kFlush>
+// 8 values from raw loads: bf16 (one uint4) or float32 (two uint4), as they are (subnormals kept: the quantizers'
+// arithmetic flushes them, see RowSource).
 __device__ __forceinline__ void bf16x8_values(const uint4& w, float (&v)[kLaneValues]) {
     bf16x2_to_float(w.x, v[0], v[1]);
     bf16x2_to_float(w.y, v[2], v[3]);
     bf16x2_to_float(w.z, v[4], v[5]);
     bf16x2_to_float(w.w, v[6], v[7]);
-    if constexpr (kFlush) {
-#pragma unroll
-        for (int i = 0; i < kLaneValues; ++i) v[i] = ftz(v[i]);
-    }
 }
 
-template <bool kFlush>
 __device__ __forceinline__ void f32x8_values(const uint4& a, const uint4& b, float (&v)[kLaneValues]) {
     unpack_f32x4(a, v);
     unpack_f32x4(b, v + 4);
-    if constexpr (kFlush) {
-#pragma unroll
-        for (int i = 0; i < kLaneValues; ++i) v[i] = ftz(v[i]);
-    }
 }
 
 // warp_quantize<kFmtMxfp4> of kN bf16 values given as their raw words x[kN / 8] (a bf16 row's loads), into *q:
@@ -335,12 +326,12 @@ __device__ __forceinline__ Raw8<T> load8(const T* p) {
     return r;
 }
 
-template <bool kFlush, class T>
+template <class T>
 __device__ __forceinline__ void values8(const Raw8<T>& r, float (&v)[kLaneValues]) {
     if constexpr (sizeof(T) == 2)
-        bf16x8_values<kFlush>(r.w[0], v);
+        bf16x8_values(r.w[0], v);
     else
-        f32x8_values<kFlush>(r.w[0], r.w[1], v);
+        f32x8_values(r.w[0], r.w[1], v);
 }
 
 // ---- sources: where a lane's 8 values come from ----------------------------------------------------------
@@ -351,10 +342,11 @@ __device__ __forceinline__ void values8(const Raw8<T>& r, float (&v)[kLaneValues
 // splitting the two lets warp_quantize_span keep several steps of loads in flight before the first use.
 // kBf16ByCvt: the values are flushed and a NaN among them may become any bf16 NaN, so the bf16 "format" may use
 // the hardware conversion (cvt.rn.bf16x2.f32) instead of bf16_encode.
-// kFlush: flush subnormal inputs with bit operations. The quantizers do not need it: they read values only through
-// max.ftz, div.rn.ftz and mul.rn.ftz (-ftz=true), which flush them to zero of the same sign exactly as the
-// contract's "flush x first" does (tested with subnormal inputs); the bf16 "format" must not flush at all.
-template <class T, bool kFlush>
+// The values come as they are, subnormals kept: the quantizers read them only through max.ftz, div.rn.ftz,
+// mul.rn.ftz and fma.rn.ftz (-ftz=true), which flush them to zero of the same sign exactly as the contract's "flush
+// x first" does (quantize and dispatch tested with subnormal inputs; flushing here first cost a dispatch's encode
+// two instructions a value), and the bf16 "format" must not flush at all.
+template <class T>
 struct RowSource {
     using Raw = Raw8<T>;
     static constexpr bool kBf16ByCvt = false;
@@ -366,7 +358,7 @@ struct RowSource {
     __device__ __forceinline__ void prefetch(int col) const { prefetch_l2(row + col); }
     template <bool kL1 = false>
     __device__ __forceinline__ Raw load(int col) const { return load8<T, kL1>(row + col); }
-    __device__ __forceinline__ void values(const Raw& r, float (&v)[kLaneValues]) const { values8<kFlush>(r, v); }
+    __device__ __forceinline__ void values(const Raw& r, float (&v)[kLaneValues]) const { values8(r, v); }
 };
 
 // ---- sinks: where the scales go -------------------------------------------------------------------------

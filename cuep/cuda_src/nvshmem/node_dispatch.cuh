@@ -31,7 +31,7 @@ __device__ void dispatch_send(const DispatchCall& c) {
         if constexpr (FMT == kFmtBf16 && sizeof(X) == 2) {
             warp_copy16(row, x_row, 2LL * H, lane);
         } else {
-            const RowSource<X, FMT != kFmtBf16> src{x_row};
+            const RowSource<X> src{x_row};
             const RowScales<S> sink{reinterpret_cast<S*>(row + p.payload_bytes)};
             for (int col0 = 0; col0 < H; col0 += kWarpSpan) {
                 if constexpr (FMT == kFmtBf16)
