@@ -373,11 +373,19 @@ def _combine_chunks_of(buf, host, n: int) -> int:
     return c
 
 
+#: The one-rank bf16 combine keeps 8 rows' loads in flight from this many 16-byte vectors an item (3 a lane) on.
+#: H200 A/B (one rank, H = 7168): N = 160-1024, chunks of 96-448 vectors, 1.03x-1.15x faster than 4 rows, cold and
+#: warm; N = 1-128 (32-64 vectors) level cold, 1-2% slower warm (docs/bench/h200x1/c014947/).
+_WIDE_COMBINE_VECTORS = 96
+
+
 def _combine_local_name(host, plan: int) -> str:
     """The one-rank combine kernel of a round whose chunk plan (:func:`_combine_chunks_of`) is ``plan``: the one
     with 8 rows' loads in flight (cuda_src/combine/local.cuh kRows) where every item is a whole token (one chunk a
-    token, or no plan: a token a warp) and the combine dtype is bf16, else the one with 4."""
-    return host.combine_wide if host.combine_wide and plan >> 16 <= 1 else host.combine_names[True]
+    token, or no plan: a token a warp) or a chunk of at least _WIDE_COMBINE_VECTORS vectors, and the combine dtype
+    is bf16, else the one with 4."""
+    wide = plan >> 16 <= 1 or (plan & 0xFFFF) >= _WIDE_COMBINE_VECTORS
+    return host.combine_wide if host.combine_wide and wide else host.combine_names[True]
 
 
 _COMBINE_RING = 2                # kCombineRing in cuda_src/combine.cu (stages of the bf16 partial-sum load ring)
@@ -447,7 +455,7 @@ class _Host:
         self.torch_views: dict = {}
         self.combine_names = {local: f"combine.cu:cuep_combine_{'local_' if local else ''}{self.combine_suffix}"
                               for local in (False, True)}
-        # the one-rank combine with 8 rows in flight, for rounds of whole-token items (bf16 only: _combine_local_name)
+        # the one-rank combine with 8 rows in flight, for rounds of long items (bf16 only: _combine_local_name)
         self.combine_wide = "combine.cu:cuep_combine_local_wide_bf16" if self.combine_suffix == "bf16" else None
 
     def order(self, buf: Buffer, phases: int) -> list:

@@ -893,13 +893,15 @@ def test_combine_chunks_cover_each_row_exactly(hidden, blocks, warps):
 
 def test_one_rank_combine_kernel_by_chunk_plan():
     """ep._combine_local_name: the one-rank bf16 combine takes the kernel with 8 rows in flight where its items are
-    whole tokens (one chunk a token, or no plan), the one with 4 where chunks split a token; float32 always 4."""
+    whole tokens (one chunk a token, or no plan) or chunks of at least 96 vectors (N = 151: 96), the one with 4 for
+    shorter chunks (N = 1: 32 vectors, 150: 64); float32 always 4."""
     bf16 = types.SimpleNamespace(combine_wide="combine.cu:cuep_combine_local_wide_bf16",
                                  combine_names={True: "combine.cu:cuep_combine_local_bf16"})
     f32 = types.SimpleNamespace(combine_wide=None, combine_names={True: "combine.cu:cuep_combine_local_f32"})
     wide, narrow = bf16.combine_wide, bf16.combine_names[True]
-    plan = {n: ep._combine_chunks(n, 7168, 132, 16) for n in (1, 128, 1056, 1057, 2112, 4096)}  # 1 chunk from 1057
-    assert [ep._combine_local_name(bf16, plan[n]) for n in plan] == [narrow] * 3 + [wide] * 3
+    plan = {n: ep._combine_chunks(n, 7168, 132, 16) for n in (1, 128, 150, 151, 1056, 1057, 4096)}  # 1 chunk from 1057
+    assert [plan[n] & 0xFFFF for n in plan] == [32, 64, 64, 96, 448, 896, 896]
+    assert [ep._combine_local_name(bf16, plan[n]) for n in plan] == [narrow] * 3 + [wide] * 4
     assert ep._combine_local_name(bf16, 0) == wide  # no plan: the kernel takes a token a warp
     assert {ep._combine_local_name(f32, p) for p in [0, *plan.values()]} == {f32.combine_names[True]}
     src = (_kernels.SRC_DIR / "combine.cu").read_text()

@@ -46,8 +46,8 @@ NARROW, WIDE, F32 = "cuep_combine_local_bf16", "cuep_combine_local_wide_bf16", "
 
 def combine_kernels(buf) -> set:
     """The one-rank combine kernels this buffer has prepared: bf16 takes WIDE (8 rows in flight) for rounds whose
-    items are whole tokens (ep._combine_local_name: N = 0, and N >= 1057 at H = 1024 or 7168 on 132 x 16 warps), else
-    NARROW."""
+    items are whole tokens or chunks of >= 96 vectors (ep._combine_local_name; at H = 1024 on 132 x 16 warps whole
+    tokens only: N = 0, and N >= 1057), else NARROW."""
     host = buf._launch_cache.get("host")
     return {key[1].split(":")[1] for key in (host.launches if host else {}) if ":cuep_combine_local_" in key[1]}
 
@@ -166,6 +166,19 @@ def test_local_combine_halves(n, rng):
         buf.synchronize()
         np.testing.assert_array_equal(halves.view(cupy.uint16).get(), fused.view(cupy.uint16).get())
     assert combine_kernels(buf) == ({WIDE} if n > buf.num_sms * 8 else {NARROW})  # whole tokens: N > grid warps / 2
+    buf.close()
+
+
+@pytest.mark.gpu
+def test_local_combine_long_chunks(rng):
+    # H = 7168, N = 200 on 132 x 16 warps: chunks of 96 vectors split each token, so the bf16 combine takes the kernel
+    # with 8 rows in flight on split tokens; every mode against the reference (132 SMs: H100 and H200)
+    cfg, buf = make(dispatch_format="bf16", hidden=7168, max_tokens_per_rank=200, fused_shared_expert=True)
+    run_round(buf, cfg, rng, [200], weights_at="dispatch")
+    run_round(buf, cfg, rng, [200], weights_at="combine", residual=True)
+    run_round(buf, cfg, rng, [200], weights_at=None)
+    if buf.num_sms == 132:
+        assert combine_kernels(buf) == {WIDE}
     buf.close()
 
 

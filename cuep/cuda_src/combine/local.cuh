@@ -36,8 +36,8 @@ struct RowVector {
     }
 };
 
-// kRows: rows' loads in flight per warp, 4, or 8 in the kernel for whole-token items (cuep/ep.py picks it where
-// the round's chunk plan is a token a warp): H200, N = 4096, 155.8 -> 141.9 us (bf16; 4 kept the HBM waiting).
+// kRows: rows' loads in flight per warp, 4, or 8 in the kernel for long items (cuep/ep.py _combine_local_name: whole
+// tokens, or chunks of at least 96 vectors): H200, N = 4096, 155.8 -> 141.9 us (bf16; 4 kept the HBM waiting).
 template <typename TC, int kRows>
 __device__ void combine_local(const EPParams& ep, const CombineArgs& a) {
     const int K = static_cast<int>(ep.top_k), H = static_cast<int>(ep.hidden), N = a.num_tokens;
