@@ -374,7 +374,7 @@ def _combine_chunks_of(buf, host, n: int) -> int:
 
 
 #: The one-rank bf16 combine keeps 8 rows' loads in flight from this many 16-byte vectors an item (3 a lane) on.
-#: H200 A/B (one rank, H = 7168): N = 160-1024, chunks of 96-448 vectors, 1.03x-1.15x faster than 4 rows, cold and
+#: H200 A/B (one rank, H = 7168): N = 151-1024, chunks of 96-448 vectors, 1.04x-1.15x faster than 4 rows, cold and
 #: warm; N = 1-128 (32-64 vectors) level cold, 1-2% slower warm (docs/bench/h200x1/c014947/).
 _WIDE_COMBINE_VECTORS = 96
 

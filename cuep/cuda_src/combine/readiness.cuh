@@ -61,7 +61,7 @@ __device__ __forceinline__ bool take_polled(const EPParams& ep, uint16_t* p, flo
     }
     *reinterpret_cast<uint4*>(p) = make_uint4(~0u, ~0u, ~0u, ~0u);
     bf16x8_values(make_uint4(static_cast<uint32_t>(lo), static_cast<uint32_t>(lo >> 32),
-                                    static_cast<uint32_t>(hi), static_cast<uint32_t>(hi >> 32)), v);
+                             static_cast<uint32_t>(hi), static_cast<uint32_t>(hi >> 32)), v);
     return true;
 }
 
