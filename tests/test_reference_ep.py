@@ -766,3 +766,28 @@ def test_ep_check_random_values_are_fresh_finite_and_reproducible():
         again = random_values(np.random.default_rng(7), 64, 256, dt)
         assert np.array_equal(v.view(np.uint16 if dt.itemsize == 2 else np.uint32),
                               again.view(np.uint16 if dt.itemsize == 2 else np.uint32))
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32)], ids=["bf16", "f32"])
+def test_ep_check_edge_tokens_dispatch_as_signed_zeros(dtype, rng):
+    """tests/ep_check.edge_tokens (the GPU rounds' edge inputs): finite, with subnormals of the dtype (scattered and
+    whole 32-value blocks) and zeros of both signs. The reference dispatches them in every quantized format exactly
+    as the same tokens with each subnormal a zero of its sign (the contract's flush, which the GPU encoders get from
+    their ftz arithmetic alone); the bf16 format keeps them."""
+    from ep_check import edge_tokens
+
+    x = edge_tokens(rng, T, H, dtype)
+    f = x.astype(np.float32)
+    sub = (f != 0) & (np.abs(f) < np.finfo(np.float32).tiny)
+    assert x.dtype == dtype and np.isfinite(f).all() and 0.05 < sub.mean() < 0.5
+    assert any(sub[:, c:c + 32].all() for c in range(0, H, 32))  # a block of subnormals only
+    assert np.signbit(f[f == 0]).any() and not np.signbit(f[f == 0]).all()
+    flushed = np.where(sub, np.copysign(np.float32(0), f), f).astype(dtype)
+    for fmt in FORMATS:
+        cfg = make_cfg(fmt, n_ranks=1, top_k=4)
+        ids = route(rng, T, cfg.top_k, cfg.n_experts)
+        for gs in ((1.0, 0.125, 3.0e4) if fmt == "nvfp4" else (1.0,)):
+            a, b = dispatch([x], [ids], cfg, global_scale=gs)[0], dispatch([flushed], [ids], cfg, global_scale=gs)[0]
+            same = (np.array_equal(a.tokens.view(np.uint8), b.tokens.view(np.uint8))
+                    and (a.scales is None or np.array_equal(a.scales.view(np.uint8), b.scales.view(np.uint8))))
+            assert same == (fmt != "bf16"), (fmt, gs)
